@@ -1,0 +1,199 @@
+"""The bound pass: per-example gradient-norm bounds for every trainable variable.
+
+Forward, each layer turns a bound on its input norm into one on its output norm;
+backward, starting from the loss's Lipschitz constant ``L = loss.get_L()``, each
+layer turns a bound on its output cotangent into bounds on its parameters'
+gradients and on its input cotangent (Béthune et al. 2024, Alg. 1, in
+per-example units: nothing here is divided by the batch size).
+
+Works on `keras.Sequential` stacks, functional graphs (fan-out sums the cotangent
+bounds of the branches; a layer used twice sums its parameter bounds) and nested
+models, and refuses any layer without the protocol, naming it.
+"""
+
+import keras
+
+from kdp.layers.base import DPLayer
+
+
+class BoundError(ValueError):
+    """A model or loss that the bound pass cannot certify."""
+
+
+def _is_functional(model):
+    return hasattr(model, "_nodes_by_depth") and not isinstance(model, keras.Sequential)
+
+
+def _check(op):
+    if isinstance(op, (DPLayer, keras.Sequential)) or _is_functional(op):
+        return
+    if isinstance(op, keras.layers.InputLayer):
+        return
+    kind = type(op).__name__
+    raise BoundError(
+        f"Layer {getattr(op, 'name', op)!r} ({kind}) has no DP bound protocol, so no "
+        "per-example gradient bound can be certified through it. Use kdp.layers "
+        "(e.g. DP_QuickSpectralDense for Dense, DP_LayerCentering instead of "
+        "BatchNormalization, no Dropout) or implement propagate_inputs / "
+        "backpropagate_inputs / backpropagate_params."
+    )
+
+
+def _add_params(total, new):
+    for path, bound in new.items():
+        total[path] = total[path] + bound if path in total else bound
+
+
+# --- modules: a DP layer, a chain, a functional graph -------------------------
+
+def propagate(module, input_bound):
+    """Bound on the output norm of ``module`` given a bound on its input norm."""
+    _check(module)
+    if isinstance(module, keras.Sequential):
+        return chain_propagate(module.layers, input_bound)
+    if _is_functional(module):
+        return _graph_forward(module, input_bound)[0]
+    if isinstance(module, keras.layers.InputLayer):
+        return input_bound
+    return module.propagate_inputs(input_bound)
+
+
+def backpropagate(module, input_bound, gradient_bound):
+    """``(G_in, {variable.path: bound})`` for ``module`` given X and G."""
+    _check(module)
+    if isinstance(module, keras.Sequential):
+        return chain_backpropagate(module.layers, input_bound, gradient_bound)
+    if _is_functional(module):
+        return _graph_backward(module, input_bound, gradient_bound)
+    if isinstance(module, keras.layers.InputLayer):
+        return gradient_bound, {}
+    return (
+        module.backpropagate_inputs(input_bound, gradient_bound),
+        module.backpropagate_params(input_bound, gradient_bound),
+    )
+
+
+def chain_propagate(layers, input_bound):
+    for layer in layers:
+        input_bound = propagate(layer, input_bound)
+    return input_bound
+
+
+def chain_backpropagate(layers, input_bound, gradient_bound):
+    inputs = []
+    for layer in layers:
+        inputs.append(input_bound)
+        input_bound = propagate(layer, input_bound)
+    params = {}
+    for layer, x in zip(reversed(layers), reversed(inputs)):
+        gradient_bound, new = backpropagate(layer, x, gradient_bound)
+        _add_params(params, new)
+    return gradient_bound, params
+
+
+def _graph_nodes(model):
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                yield node
+
+
+def _single_or_list(values):
+    return values[0] if len(values) == 1 else list(values)
+
+
+def _graph_forward(model, input_bound):
+    bounds = {id(t): input_bound for t in model.inputs}
+    trace = []
+    for node in _graph_nodes(model):
+        x = _single_or_list([bounds[id(t)] for t in node.input_tensors])
+        out = propagate(node.operation, x)
+        for t in node.output_tensors:
+            bounds[id(t)] = out
+        trace.append((node, x))
+    outputs = [bounds[id(t)] for t in model.outputs]
+    return _single_or_list(outputs), trace
+
+
+def _graph_backward(model, input_bound, gradient_bound):
+    if len(model.outputs) != 1 or len(model.inputs) != 1:
+        raise BoundError(f"{model.name}: the bound pass supports one input and one output")
+    _, trace = _graph_forward(model, input_bound)
+    cotangents = {id(model.outputs[0]): gradient_bound}
+    params = {}
+    for node, x in reversed(trace):
+        outs = [cotangents[id(t)] for t in node.output_tensors if id(t) in cotangents]
+        if not outs:
+            continue  # a branch that does not reach the output
+        g_in, new = backpropagate(node.operation, x, sum(outs))
+        _add_params(params, new)
+        g_in = g_in if isinstance(g_in, (list, tuple)) else [g_in]
+        for t, g in zip(node.input_tensors, g_in):
+            cotangents[id(t)] = cotangents[id(t)] + g if id(t) in cotangents else g
+    return cotangents.get(id(model.inputs[0]), 0.0), params
+
+
+# --- public entry points -------------------------------------------------------
+
+def loss_lipschitz(loss):
+    """``loss.get_L()``, or a clear error for a loss without a per-example constant."""
+    get_l = getattr(loss, "get_L", None)
+    if get_l is None:
+        raise BoundError(
+            f"Loss {loss!r} has no get_L(): its per-example Lipschitz constant is "
+            "unknown, so the noise cannot be calibrated. Use a kdp.losses loss."
+        )
+    return get_l()
+
+
+def compute_gradient_bounds(model, loss=None, input_bound=None):
+    """Per-example gradient-norm bound of every trainable variable of ``model``.
+
+    Args:
+        model: a built model made of DP layers (Sequential, functional or nested).
+        loss: a loss with ``get_L()``; defaults to ``model.loss``.
+        input_bound: bound on the input norm if the model does not start with
+            `DP_BoundedInput`; defaults to ``model.dataset_metadata.max_norm``.
+
+    Returns:
+        ``{variable.path: bound}``: for every example ``i``,
+        ``‖∇_v ℓ(f(x_i), y_i)‖₂ ≤ bound`` (Béthune et al. 2024, Alg. 1).
+
+    Raises:
+        BoundError: a layer without the protocol, a loss without ``get_L()``, a
+            missing input bound, or a trainable variable left without a bound.
+    """
+    if not model.built:
+        raise BoundError(f"{model.name} is not built: call it on data or give an input shape")
+    loss = model.loss if loss is None else loss
+    if loss is None:
+        raise BoundError("No loss: compile the model with a kdp loss or pass loss=")
+    if input_bound is None:
+        metadata = getattr(model, "dataset_metadata", None)
+        input_bound = getattr(metadata, "max_norm", None)
+    _ensure_input_bound(model, input_bound)
+    _, params = backpropagate(model, input_bound, loss_lipschitz(loss))
+    bounds = {}
+    for v in model.trainable_variables:
+        if v.path not in params:
+            raise BoundError(f"No gradient bound for trainable variable {v.path!r}")
+        bounds[v.path] = params[v.path]
+    return bounds
+
+
+def _ensure_input_bound(model, input_bound):
+    try:
+        out = propagate(model, input_bound)
+    except TypeError:  # None reached the arithmetic of a layer
+        out = None
+    if out is None:
+        raise BoundError(
+            f"{model.name}: no input norm bound. Start the model with "
+            "DP_BoundedInput(upper_bound=...) or set DatasetMetadata(max_norm=...)."
+        )
+
+
+def lipschitz_constant(model):
+    """Upper bound on the L2 Lipschitz constant of ``model`` (input -> output)."""
+    g_in, _ = backpropagate(model, 1.0, 1.0)
+    return g_in

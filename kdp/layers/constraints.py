@@ -1,0 +1,63 @@
+"""Keras constraints that project kernels after every optimizer update.
+
+Keras applies ``variable.constraint`` right after each optimizer step (also in the
+stateless JAX path), so the next forward pass uses the projected kernel and the
+bounds of the layer hold exactly: projected gradient descent, post-processing
+of the private update, no privacy cost (Béthune et al. 2024, Requirement 3).
+"""
+
+import keras
+from keras import ops
+
+from kdp.layers.base import serializable
+from kdp.lipschitz import orthogonalize
+
+
+@serializable
+class OrthogonalProjection(keras.constraints.Constraint):
+    """Certified Björck projection of a kernel onto ``{‖W_r‖₂ ≤ 1 / scale}``.
+
+    The kernel is reshaped to ``(-1, units)`` (``W_r``), multiplied by ``scale``,
+    orthogonalised with :func:`kdp.lipschitz.orthogonalize` and divided by
+    ``scale`` again. ``scale`` is ``√(patches per pixel)`` for convolutions and 1
+    for dense kernels.
+
+    Args:
+        iterations: Björck steps per projection (1 is enough to warm-start from
+            the previous, already orthogonal, kernel).
+        tolerance: early stop once ``max |W_rᵀW_r − I| < tolerance``.
+        scale: see above.
+    """
+
+    def __init__(self, iterations=1, tolerance=None, scale=1.0):
+        self.iterations = int(iterations)
+        self.tolerance = tolerance
+        self.scale = float(scale)
+
+    def __call__(self, w):
+        shape = w.shape
+        w2 = ops.reshape(w, (-1, shape[-1])) * self.scale
+        w2 = orthogonalize(w2, self.iterations, self.tolerance) / self.scale
+        return ops.reshape(w2, shape)
+
+    def get_config(self):
+        return {
+            "iterations": self.iterations,
+            "tolerance": self.tolerance,
+            "scale": self.scale,
+        }
+
+
+@serializable
+class BallProjection(keras.constraints.Constraint):
+    """Projection onto the L2 ball of radius ``norm_max`` (1-Lipschitz, convex)."""
+
+    def __init__(self, norm_max):
+        self.norm_max = float(norm_max)
+
+    def __call__(self, w):
+        norm = ops.sqrt(ops.sum(ops.square(w)))
+        return w * ops.minimum(1.0, self.norm_max / ops.maximum(norm, 1e-12))
+
+    def get_config(self):
+        return {"norm_max": self.norm_max}
