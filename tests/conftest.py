@@ -1,0 +1,21 @@
+"""Shared test set-up: quiet TensorFlow, one fixed seed per test."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    keras.utils.set_random_seed(0)
+    np.random.seed(0)
+    yield
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
