@@ -21,6 +21,9 @@ class DP_TauCategoricalCrossentropy(DPLoss):
     vector ``‖p − y‖² = ‖p‖² + ‖y‖² − 2⟨p, y⟩ ≤ 2``: **L = √2**, for every τ.
     Approached (tight) when the softmax mass sits on a wrong class.
 
+    Labels: integer ids, one-hot or probability vectors; vector entries are
+    clipped to [0, 1] (a ±1 one-vs-all encoding reads as one-hot).
+
     Args:
         tau: temperature ``τ > 0`` (large τ: closer to a hard max).
     """
@@ -32,7 +35,7 @@ class DP_TauCategoricalCrossentropy(DPLoss):
         self.tau = float(tau)
 
     def call(self, y_true, y_pred):
-        y = one_hot_labels(y_true, y_pred)
+        y = ops.clip(one_hot_labels(y_true, y_pred), 0.0, 1.0)
         z = self.tau * y_pred
         return (ops.logsumexp(z, axis=-1) - ops.sum(y * z, axis=-1)) / self.tau
 
@@ -51,6 +54,10 @@ class DP_TauBCE(DPLoss):
     ``∂ℓ/∂ŷ_k = (sigmoid(τ ŷ_k) − y_k)/m`` with ``|·| < 1/m``: ``‖∇‖ < 1/√m``.
     **L = 1**, tight for one output (a confident wrong prediction).
 
+    Labels are clipped to [0, 1] first: soft labels are kept, ``−1`` (deel-lip's
+    {−1, +1} convention) reads as 0, and ``|∂ℓ/∂ŷ_k| < 1/m`` holds for any input
+    (a raw ``y = −1`` would give ``sigmoid + 1``, up to 2).
+
     Args:
         tau: temperature ``τ > 0``.
     """
@@ -63,6 +70,7 @@ class DP_TauBCE(DPLoss):
 
     def call(self, y_true, y_pred):
         y = ops.reshape(ops.cast(y_true, y_pred.dtype), ops.shape(y_pred))
+        y = ops.clip(y, 0.0, 1.0)
         z = self.tau * y_pred
         return ops.mean(ops.softplus(z) - y * z, axis=-1) / self.tau
 
@@ -82,6 +90,10 @@ class DP_MulticlassHinge(DPLoss):
     ``ℓ = Σ_k w_k · max(0, m/2 − s_k ŷ_k)``. The gradient has entries ``−s_k w_k``
     on the active terms, so ``‖∇‖² ≤ w_y² + (K−1) w_k² = 1``: **L = 1**, attained
     whenever every margin is violated (e.g. ŷ = 0).
+
+    Labels: integer ids or one-hot vectors, one true class per example (vector
+    entries are clipped to [0, 1], so a ±1 encoding reads as one-hot); the same
+    holds for `DP_MulticlassKR` and `DP_MulticlassHKR`.
 
     Args:
         min_margin: the margin ``m > 0``.
@@ -113,10 +125,13 @@ class DP_MulticlassKR(DPLoss):
     1: **L = 1**, tight for every input.
 
     Relation to the literature: deel-lip's MulticlassKR weights each example by
-    ``b/n_c`` (``n_c`` the in-batch count of its class), which estimates
-    ``E[ŷ_k | y = k] − E[ŷ_k | y ≠ k]`` but makes one example's gradient as large as
-    ``b/n_c`` and couples the examples. Here each example's weight is fixed; with
-    balanced classes the two agree in expectation up to a constant factor.
+    ``b/n_c`` (``n_c`` the in-batch count of its class, ``b − n_k`` for the other
+    classes), which estimates ``E[ŷ_k | y = k] − E[ŷ_k | y ≠ k]`` but gives one
+    example the gradient entries ``b/(K n_y)`` and ``−b/(K (b − n_k))``: its norm
+    depends on the batch (≈ 14 for one example of a rare class among 100 with
+    K = 10; ``√(K/(K−1)) > 1`` even on an exactly balanced batch) and the
+    examples are coupled. Here each example's weight is fixed; on an exactly
+    balanced batch the two agree per example up to the factor ``c/2``.
     """
 
     def __init__(self, name="multiclass_kr", **kwargs):
@@ -181,7 +196,10 @@ class DP_KCosineSimilarity(DPLoss):
     def call(self, y_true, y_pred):
         y = one_hot_labels(y_true, y_pred)
         y = y / ops.maximum(ops.norm(y, axis=-1, keepdims=True), 1e-12)
-        scale = ops.maximum(ops.norm(y_pred, axis=-1, keepdims=True), self.K)
+        # max(‖ŷ‖, K) as √max(‖ŷ‖², K²): same value, but no 0/0 in the gradient
+        # of ‖ŷ‖ at ŷ = 0 (jax's norm gives NaN there).
+        squared = ops.sum(ops.square(y_pred), axis=-1, keepdims=True)
+        scale = ops.sqrt(ops.maximum(squared, self.K ** 2))
         return -ops.sum(y * y_pred / scale, axis=-1)
 
     def get_L(self):
@@ -214,7 +232,8 @@ class DP_MeanAbsoluteError(DPLoss):
 
 
 def _signed_weights(y_true, y_pred):
-    y = one_hot_labels(y_true, y_pred)
+    # clipped to [0, 1]: a ±1 one-vs-all encoding reads as one-hot
+    y = ops.clip(one_hot_labels(y_true, y_pred), 0.0, 1.0)
     w_true, w_other = class_weights(y_pred.shape[-1])
     weights = w_other + (w_true - w_other) * y
     return weights, 2.0 * y - 1.0
