@@ -120,6 +120,46 @@ class PoissonBatches(keras.utils.PyDataset):
         return (_pad(self.x, idx, size), _pad(self.y, idx, size), _pad(self.sample_weight, idx, size))
 
 
+class ShuffledBatches(keras.utils.PyDataset):
+    """Shuffled batches of exactly ``b`` records (``sampling="shuffle"`` only).
+
+    Each pass over the data is a fresh random permutation cut into ``⌊N/b⌋``
+    batches (the remainder is dropped), so a record is in at most one batch per
+    pass: what the ``"shuffle"`` accounting assumes. Batch ``index`` belongs to
+    pass ``index // ⌊N/b⌋``, so ``steps_per_epoch`` must be a multiple of
+    ``⌊N/b⌋``. Same arguments as `PoissonBatches`.
+    """
+
+    def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None):
+        super().__init__()
+        self.x, self.y = x, y
+        self.nb_samples = len(x)
+        self.batch_size = int(batch_size)
+        self.sample_weight = (
+            np.ones(self.nb_samples, dtype="float32") if sample_weight is None
+            else np.asarray(sample_weight, dtype="float32")
+        )
+        self.steps_per_pass = max(1, self.nb_samples // self.batch_size)
+        self.steps = steps_per_epoch or self.steps_per_pass
+        if self.steps % self.steps_per_pass:
+            raise ValueError(
+                f"with shuffled batches, steps_per_epoch ({self.steps}) must be a multiple "
+                f"of the steps of one pass, N // b = {self.steps_per_pass}"
+            )
+        self.rng = np.random.default_rng(seed)
+        self._order = None
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, index):
+        position = index % self.steps_per_pass
+        if self._order is None or position == 0:
+            self._order = self.rng.permutation(self.nb_samples)
+        idx = self._order[position * self.batch_size:(position + 1) * self.batch_size]
+        return self.x[idx], self.y[idx], self.sample_weight[idx]
+
+
 def _pad(array, idx, size):
     out = np.zeros((size,) + array.shape[1:], dtype=array.dtype)
     out[: len(idx)] = array[idx]
@@ -150,3 +190,5 @@ def bound_normalize():
         return x / np.maximum(norms, 1e-12).reshape((-1,) + (1,) * (x.ndim - 1))
 
     return fn, 1.0
+
+from kdp.datasets import load_breast_cancer, load_cifar10, load_dataset, load_digits, load_fashion_mnist, load_mnist  # noqa: E402,F401

@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Notebooks executed by nbmake inherit this: their small, fast configuration.
+os.environ.setdefault("KDP_NOTEBOOK_SMALL", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,0 +1,163 @@
+"""Dataset loaders: shapes, splits, data-independent scaling, bounds, local .npz files."""
+
+import numpy as np
+import pytest
+
+from kdp import datasets
+from kdp.pipeline import DatasetMetadata
+
+
+def _norms(x):
+    return np.linalg.norm(x.reshape(len(x), -1), axis=1)
+
+
+def test_pipeline_reexports_the_loaders():
+    from kdp import pipeline
+
+    for name in ("load_digits", "load_breast_cancer", "load_mnist", "load_fashion_mnist",
+                 "load_cifar10"):
+        assert getattr(pipeline, name) is getattr(datasets, name)
+
+
+def test_digits_shapes_split_and_metadata():
+    (x, y), (xt, yt), md = datasets.load_digits()
+    assert x.shape == (1437, 64) and xt.shape == (360, 64)
+    assert x.dtype == np.float32 and y.dtype == np.int32
+    assert isinstance(md, DatasetMetadata)
+    assert md.input_shape == (64,) and md.nb_classes == 10
+    assert md.nb_samples_train == 1437 and md.nb_samples_test == 360
+    assert md.batch_size == 256
+    # pixels / 16: values in [0, 1], and the domain bound √64 = 8
+    assert x.min() >= 0 and x.max() <= 1 and md.max_norm == 8.0
+    assert _norms(x).max() <= md.max_norm and _norms(xt).max() <= md.max_norm
+    # stratified: every class keeps its share in both parts (within one example)
+    counts, test_counts = np.bincount(y, minlength=10), np.bincount(yt, minlength=10)
+    assert np.all(np.abs(test_counts - 0.2 * (counts + test_counts)) <= 1)
+
+
+def test_digits_split_depends_on_seed_only():
+    (a, _), _, _ = datasets.load_digits(seed=0)
+    (b, _), _, _ = datasets.load_digits(seed=0)
+    (c, _), _, _ = datasets.load_digits(seed=1)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_digits_scaling_is_the_fixed_map_x_over_16():
+    from sklearn.datasets import load_digits as raw
+
+    data = raw()
+    (x, y), (xt, yt), _ = datasets.load_digits(test_size=0.2, seed=3)
+    pool = np.concatenate([x, xt])
+    expected = np.sort((data.data / 16.0).astype("float32"), axis=0)
+    np.testing.assert_allclose(np.sort(pool, axis=0), expected, rtol=0, atol=1e-7)
+
+
+def test_digits_images_and_input_bounds():
+    (x, _), _, md = datasets.load_digits(flatten=False, batch_size=64)
+    assert x.shape == (1437, 8, 8, 1) and md.input_shape == (8, 8, 1) and md.batch_size == 64
+    (x, _), (xt, _), md = datasets.load_digits(input_bound=2.0)
+    assert md.max_norm == 2.0
+    assert _norms(x).max() <= 2.0 + 1e-5 and _norms(xt).max() <= 2.0 + 1e-5
+    assert np.isclose(_norms(x).max(), 2.0, atol=1e-5)  # it did clip
+    (x, _), _, md = datasets.load_digits(input_bound="normalize")
+    assert md.max_norm == 1.0
+    np.testing.assert_allclose(_norms(x), 1.0, atol=1e-5)
+    # a radius above the domain bound keeps the (smaller) domain bound
+    _, _, md = datasets.load_digits(input_bound=100.0)
+    assert md.max_norm == 8.0
+    with pytest.raises(ValueError):
+        datasets.load_digits(input_bound="sphere")
+    with pytest.raises(ValueError):
+        datasets.load_digits(input_bound=-1.0)
+
+
+def test_breast_cancer():
+    (x, y), (xt, yt), md = datasets.load_breast_cancer()
+    assert x.shape == (455, 30) and xt.shape == (114, 30)
+    assert md.nb_classes == 2 and md.class_names == ["malignant", "benign"]
+    assert md.max_norm == datasets.BREAST_CANCER_CLIP
+    assert _norms(x).max() <= md.max_norm + 1e-4
+    assert set(np.unique(y)) == {0, 1}
+    with pytest.raises(ValueError, match="unbounded"):
+        datasets.load_breast_cancer(input_bound=None)
+    (x, _), _, md = datasets.load_breast_cancer(input_bound="normalize")
+    np.testing.assert_allclose(_norms(x), 1.0, atol=1e-5)
+
+
+def _write_npz(path, rng, n_train, n_test, image_shape, label_shape=()):
+    arrays = {
+        "x_train": rng.integers(0, 256, (n_train,) + image_shape, dtype=np.uint8),
+        "y_train": rng.integers(0, 10, (n_train,) + label_shape).astype(np.uint8),
+        "x_test": rng.integers(0, 256, (n_test,) + image_shape, dtype=np.uint8),
+        "y_test": rng.integers(0, 10, (n_test,) + label_shape).astype(np.uint8),
+    }
+    np.savez(path, **arrays)
+    return arrays
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any call to keras.datasets fails the test."""
+    import keras
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the loader tried to download")
+
+    for name in ("mnist", "fashion_mnist", "cifar10"):
+        monkeypatch.setattr(getattr(keras.datasets, name), "load_data", boom)
+
+
+@pytest.mark.parametrize("loader", [datasets.load_mnist, datasets.load_fashion_mnist])
+def test_grayscale_npz(tmp_path, rng, loader, no_network):
+    path = tmp_path / "small.npz"
+    arrays = _write_npz(path, rng, 40, 10, (28, 28))
+    (x, y), (xt, yt), md = loader(path=str(path), batch_size=16)
+    assert x.shape == (40, 28, 28, 1) and xt.shape == (10, 28, 28, 1)
+    np.testing.assert_allclose(x[..., 0], arrays["x_train"] / 255.0, atol=1e-7)
+    np.testing.assert_array_equal(y, arrays["y_train"])
+    assert y.dtype == np.int32
+    assert md.nb_samples_train == 40 and md.batch_size == 16 and md.nb_classes == 10
+    assert md.max_norm == pytest.approx(28.0) and _norms(x).max() <= 28.0
+    (x, _), _, md = loader(path=str(path), flatten=True, input_bound=3.0)
+    assert x.shape == (40, 784) and md.input_shape == (784,) and md.max_norm == 3.0
+    assert _norms(x).max() <= 3.0 + 1e-5
+    # the default batch size (256) is capped at N
+    assert md.batch_size == 40
+
+
+def test_cifar10_npz_labels_and_bound(tmp_path, rng, no_network):
+    path = tmp_path / "cifar.npz"
+    arrays = _write_npz(path, rng, 30, 6, (32, 32, 3), label_shape=(1,))
+    (x, y), (xt, yt), md = datasets.load_cifar10(path=str(path), input_bound="normalize")
+    assert x.shape == (30, 32, 32, 3) and y.shape == (30,) and yt.shape == (6,)
+    np.testing.assert_array_equal(y, arrays["y_train"][:, 0])
+    assert md.max_norm == 1.0 and md.class_names[0] == "airplane"
+    np.testing.assert_allclose(_norms(x), 1.0, atol=1e-5)
+
+
+def test_preprocessing_never_looks_at_other_examples(tmp_path, rng, no_network):
+    """Changing every other record leaves record 0's preprocessed value unchanged."""
+    a = _write_npz(tmp_path / "a.npz", rng, 20, 5, (28, 28))
+    b = {k: v.copy() for k, v in a.items()}
+    b["x_train"][1:] = rng.integers(0, 256, b["x_train"][1:].shape, dtype=np.uint8)
+    b["x_train"][1:, :4] = 255  # very different statistics
+    np.savez(tmp_path / "b.npz", **b)
+    for bound in (None, 5.0, "normalize"):
+        (xa, _), _, ma = datasets.load_mnist(path=str(tmp_path / "a.npz"), input_bound=bound)
+        (xb, _), _, mb = datasets.load_mnist(path=str(tmp_path / "b.npz"), input_bound=bound)
+        np.testing.assert_array_equal(xa[0], xb[0])
+        assert ma.max_norm == mb.max_norm
+
+
+def test_npz_missing_keys(tmp_path, no_network):
+    np.savez(tmp_path / "bad.npz", x_train=np.zeros((2, 28, 28), np.uint8))
+    with pytest.raises(KeyError, match="y_train"):
+        datasets.load_mnist(path=str(tmp_path / "bad.npz"))
+
+
+def test_load_dataset_dispatch():
+    _, _, md = datasets.load_dataset("digits", batch_size=32)
+    assert md.batch_size == 32
+    with pytest.raises(ValueError, match="unknown dataset"):
+        datasets.load_dataset("imagenet")
