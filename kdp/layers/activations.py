@@ -28,8 +28,12 @@ class DP_GroupSort(DPLayer, keras.layers.Layer):
     def call(self, inputs):
         shape = ops.shape(inputs)
         if self.group_size == 2:
+            # One comparison picks both outputs, so even at ties (a == b) the
+            # Jacobian is a permutation; minimum/maximum would each route the
+            # whole cotangent to the same input on TensorFlow (norm up to √2).
             a, b = inputs[..., 0::2], inputs[..., 1::2]
-            pairs = ops.stack([ops.minimum(a, b), ops.maximum(a, b)], axis=-1)
+            swap = a > b
+            pairs = ops.stack([ops.where(swap, b, a), ops.where(swap, a, b)], axis=-1)
             return ops.reshape(pairs, shape)
         grouped = ops.reshape(inputs, tuple(shape[:-1]) + (-1, self.group_size))
         return ops.reshape(ops.sort(grouped, axis=-1), shape)

@@ -39,7 +39,7 @@ class DP_ClipGradient(DPLayer, keras.layers.Layer):
                 scale = ops.minimum(1.0, threshold / ops.maximum(norms, 1e-30))
                 return upstream * ops.reshape(scale, (-1,) + (1,) * (len(upstream.shape) - 1))
 
-            return ops.identity(x), grad
+            return ops.copy(x), grad
 
         return clip_backward(inputs)
 

@@ -37,8 +37,10 @@ class DP_Residual(DPLayer, keras.layers.Layer):
     def build(self, input_shape):
         shape = input_shape
         for layer in self.branch:
-            layer.build(shape)
-            shape = layer.compute_output_shape(shape)
+            if not layer.built:
+                layer.build(shape)
+            # compute_output_spec: most DP layers keep the shape and only define call
+            shape = layer.compute_output_spec(keras.KerasTensor(shape)).shape
         if tuple(shape[1:]) != tuple(input_shape[1:]):
             raise ValueError(
                 f"{self.name}: the branch maps {input_shape} to {shape}; a residual "

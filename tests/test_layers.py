@@ -1,0 +1,477 @@
+"""Acceptance tests of the DP layers and of the bound pass (issue 2).
+
+Every guarantee is checked against an independent measurement that can fail:
+per-example gradients by autodiff against `compute_gradient_bounds`, layer
+outputs against the propagated norm bounds, exact singular values (SVD of the
+kernel or of the full convolution operator) against the certified ``‖W‖₂ ≤ 1``,
+and a broken layer that the same check must catch. Runs on the backend that
+``KERAS_BACKEND`` selects (TensorFlow and JAX).
+"""
+
+import functools
+import math
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import kdp
+from kdp import layers as L
+from kdp import losses
+from kdp.autodiff import gradient, per_example_gradients
+from kdp.bounds import BoundError, chain_propagate, propagate
+
+RTOL = 1e-4
+N_TRAIN, BATCH = 40, 8  # 5 Poisson steps per epoch
+
+
+# --- models mixing every layer ------------------------------------------------
+
+def mlp_quick():
+    return [
+        L.DP_BoundedInput((10,), upper_bound=1.0),
+        L.DP_QuickSpectralDense(16), L.DP_GroupSort(2),
+        L.DP_QuickSpectralDense(16), L.DP_GroupSort(2),
+        L.DP_QuickSpectralDense(4),
+    ]
+
+
+def mlp_mixed():
+    return [
+        L.DP_BoundedInput((12,), upper_bound=2.0),
+        L.DP_SpectralDense(16), L.DP_AddBias(0.5), L.DP_ReLU(), L.DP_LayerCentering(),
+        L.DP_Residual([L.DP_QuickSpectralDense(16), L.DP_GroupSort(2)], merge="add"),
+        *L.make_residuals("1-lip-add", [L.DP_SpectralDense(16), L.DP_AddBias(0.2), L.DP_GroupSort(4)]),
+        L.DP_Reshape((4, 4)), L.DP_QuickSpectralDense(4), L.DP_AddBias(0.3),
+        L.DP_LayerCentering("all"), L.DP_Flatten(), L.DP_ClipGradient(0.5),
+        L.DP_QuickSpectralDense(3),
+    ]
+
+
+def convnet():
+    """Both conv layers with strides 1 and 2, 'same' and 'valid' padding."""
+    return [
+        L.DP_BoundedInput((10, 10, 2), upper_bound=1.5),
+        L.DP_QuickSpectralConv2D(4, 3, strides=1, padding="valid"),  # 10 -> 8
+        L.DP_GroupSort(2),
+        L.DP_SpectralConv2D(4, 3, strides=1, padding="same"),  # 8 -> 8
+        L.DP_LayerCentering("spatial"),
+        L.DP_SpectralConv2D(4, 3, strides=2, padding="same"),  # 8 -> 4
+        L.DP_AddBias(0.3), L.DP_ReLU(),
+        L.DP_Residual([L.DP_QuickSpectralConv2D(4, 3, padding="same"), L.DP_GroupSort(4)],
+                      merge="add"),
+        L.DP_ScaledL2NormPooling2D(2),  # 4 -> 2
+        L.DP_QuickSpectralConv2D(6, 2, strides=2, padding="valid"),  # 2 -> 1
+        L.DP_LayerCentering(), L.DP_GroupSort(2), L.DP_ScaledGlobalL2NormPooling2D(),
+        L.DP_ClipGradient(0.7), L.DP_SpectralDense(3),
+    ]
+
+
+SEQUENTIAL = {"mlp_quick": mlp_quick, "mlp_mixed": mlp_mixed, "convnet": convnet}
+
+
+def _dp_kwargs(input_shape, classes):
+    return dict(
+        dp_parameters=kdp.DPParameters(noise_multiplier=1.0, reproducible=True, seed=0),
+        dataset_metadata=kdp.DatasetMetadata(input_shape, classes, N_TRAIN, BATCH),
+    )
+
+
+def make_sequential(name):
+    layers = SEQUENTIAL[name]()
+    shape = layers[0].example_shape
+    model = kdp.DP_Sequential(layers, **_dp_kwargs(shape, layers[-1].units))
+    model.build((None,) + shape)
+    return model
+
+
+def make_functional():
+    """A graph with fan-out: ``h`` feeds three branches that DP_Add merges."""
+    inputs = keras.Input((12,))
+    h = L.DP_QuickSpectralDense(16)(L.DP_BoundedInput(upper_bound=2.0)(inputs))
+    a = L.DP_AddBias(0.4)(L.DP_QuickSpectralDense(16)(L.DP_GroupSort(2)(h)))
+    b = L.DP_ReLU()(h)
+    c = L.DP_Add(0.5)([a, b])
+    d = L.DP_Add(1.0)([c, h])
+    outputs = L.DP_SpectralDense(3)(L.DP_GroupSort(4)(d))
+    return kdp.DP_Model(inputs, outputs, **_dp_kwargs((12,), 3))
+
+
+def make_model(name):
+    return make_functional() if name == "functional" else make_sequential(name)
+
+
+MODELS = list(SEQUENTIAL) + ["functional"]
+LOSSES = {
+    "mlp_quick": lambda: losses.DP_TauCategoricalCrossentropy(tau=8.0),
+    "mlp_mixed": lambda: losses.DP_MulticlassHKR(alpha=2.0, min_margin=0.5),
+    "convnet": lambda: losses.DP_MulticlassHKR(alpha=5.0, min_margin=1.0),
+    "functional": lambda: losses.DP_TauCategoricalCrossentropy(tau=4.0),
+}
+
+
+def input_shape(model):
+    return tuple(model.inputs[0].shape[1:])
+
+
+def input_bound(model):
+    return next(l.upper_bound for l in model._flatten_layers() if isinstance(l, L.DP_BoundedInput))
+
+
+def random_batch(model, n=BATCH, scale=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (scale * rng.normal(size=(n,) + input_shape(model))).astype("float32")
+    y = rng.integers(0, model.compute_output_shape((1,) + input_shape(model))[-1], size=n)
+    return x, y
+
+
+def on_sphere(x, radius):
+    norms = np.sqrt((x.reshape(len(x), -1) ** 2).sum(1))
+    return (x * (radius / norms).reshape((-1,) + (1,) * (x.ndim - 1))).astype("float32")
+
+
+# --- the soundness check --------------------------------------------------------
+
+class _PerExampleUnits:
+    """Sets `DP_ClipGradient.cotangent_scale` to 1 while measuring, as the unreduced
+    per-example loss is what its ``clip_value`` refers to (a DP model sets ``1/b``
+    for its ``Σ ℓ_i / b`` objective)."""
+
+    def __init__(self, model):
+        self.clips = [l for l in model._flatten_layers() if isinstance(l, L.DP_ClipGradient)]
+
+    def __enter__(self):
+        self.saved = [c.cotangent_scale for c in self.clips]
+        for c in self.clips:
+            c.cotangent_scale = 1.0
+
+    def __exit__(self, *exc):
+        for c, s in zip(self.clips, self.saved):
+            c.cotangent_scale = s
+
+
+def _norms(g):
+    g = np.asarray(g)
+    return np.sqrt((g.reshape(len(g), -1).astype("float64") ** 2).sum(1))
+
+
+def gradient_ratios(model, loss, x, y):
+    """``{variable.path: per-example ‖∇_v ℓ_i‖ / bound_v}``."""
+    bounds = kdp.compute_gradient_bounds(model, loss)
+    with _PerExampleUnits(model):
+        grads = per_example_gradients(model, loss, x, y)
+    assert set(grads) == set(bounds)
+    return {p: _norms(g) / bounds[p] for p, g in grads.items()}
+
+
+def check_soundness(model, loss, x, y, rtol=RTOL):
+    """``(largest ratio, [variables whose gradient exceeded its bound])``."""
+    ratios = gradient_ratios(model, loss, x, y)
+    worst = max(float(r.max()) for r in ratios.values())
+    violations = [p for p, r in ratios.items() if r.max() > 1.0 + rtol]
+    return worst, violations
+
+
+def _gradient_fn(objective):
+    """``x ↦ ∇ objective(x)``; compiled once on JAX (its op-by-op second-order
+    differentiation is slow), `kdp.autodiff.gradient` elsewhere."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(jax.grad(objective))
+    return lambda x: gradient(objective, x)[0]
+
+
+def ascend(model, loss, x, y, steps=3, lr=0.3):
+    """Gradient ascent of ``Σ_v Σ_i (‖∇_v ℓ_i‖ / bound_v)²`` on the inputs, keeping
+    every input on the sphere of the input bound."""
+    radius = input_bound(model)
+    bounds = kdp.compute_gradient_bounds(model, loss)
+
+    def objective(xb):
+        grads = per_example_gradients(model, loss, xb, y)
+        return sum(ops.sum(ops.square(g)) / bounds[p] ** 2 for p, g in grads.items())
+
+    x = on_sphere(x, radius)
+    with _PerExampleUnits(model):
+        step = _gradient_fn(objective)
+        for _ in range(steps):
+            d = np.nan_to_num(np.asarray(step(x)))
+            x = on_sphere(x + lr * radius * on_sphere(d + 1e-12, 1.0), radius)
+    return x
+
+
+def soundness_report(model, loss, seed=0):
+    """Largest ratio and violations over random inputs, inputs far beyond the bound
+    (clipped by `DP_BoundedInput`), exactly at the bound, and adversarial ones."""
+    x, y = random_batch(model, seed=seed)
+    radius = input_bound(model)
+    results = [
+        check_soundness(model, loss, x, y),                          # random
+        check_soundness(model, loss, 5.0 * x, y),                    # clipped by DP_BoundedInput
+        check_soundness(model, loss, on_sphere(x, radius), y),       # exactly at the bound
+        check_soundness(model, loss, ascend(model, loss, x, y), y),  # adversarial
+    ]
+    return max(r[0] for r in results), sorted({p for r in results for p in r[1]})
+
+
+def train(model, loss, epochs=10, lr=0.5):
+    """Noisy Clipless DP-SGD updates (5 per epoch) through the model's own `fit`
+    (the kernel constraints project after every update)."""
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=lr), loss=loss)
+    x, y = random_batch(model, n=N_TRAIN, seed=1)
+    model.fit(x, y, epochs=epochs, verbose=0)
+    return int(model.optimizer.iterations)
+
+
+@functools.lru_cache(maxsize=None)
+def soundness_run(name):
+    """Soundness of ``name`` at initialisation and after ≥ 50 large updates (cached:
+    the "not vacuous" test reads the same run)."""
+    keras.utils.set_random_seed(0)
+    model, loss = make_model(name), LOSSES[name]()
+    before = {v.path: np.array(v) for v in model.trainable_variables}
+    init = soundness_report(model, loss)
+    steps = train(model, loss)
+    moved = max(np.abs(np.array(v) - before[v.path]).max() for v in model.trainable_variables)
+    trained = soundness_report(model, loss, seed=2)
+    return {"init": init, "trained": trained, "steps": steps, "moved": moved, "model": model}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_bounds_are_sound(name):
+    run = soundness_run(name)
+    (worst, bad), (worst_after, bad_after) = run["init"], run["trained"]
+    print(f"{name}: largest ratio grad/bound {worst:.4f} at init, {worst_after:.4f} after "
+          f"{run['steps']} updates")
+    assert not bad, f"{name} at init: gradients above their bounds for {bad} (ratio {worst})"
+    assert run["steps"] >= 50 and run["moved"] > 0.1, "training did not move the weights"
+    assert not bad_after, f"{name} after training: gradients above bounds for {bad_after} ({worst_after})"
+
+
+def test_bounds_are_not_vacuous():
+    run = soundness_run("mlp_quick")
+    assert not run["init"][1] and not run["trained"][1]
+    worst = max(run["init"][0], run["trained"][0])
+    print(f"mlp_quick: largest observed grad-norm / bound = {worst:.4f} "
+          f"(init {run['init'][0]:.4f}, trained {run['trained'][0]:.4f})")
+    assert worst >= 0.2
+
+
+@L.base.serializable
+class _TripledDense(L.DP_QuickSpectralDense):
+    """Broken on purpose: the kernel is used ×3 and never projected."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.kernel.constraint = None
+
+    def call(self, inputs):
+        return ops.matmul(inputs, 3.0 * self.kernel)
+
+
+def test_negative_control_broken_layer_is_caught():
+    model = kdp.DP_Sequential([
+        L.DP_BoundedInput((10,), upper_bound=1.0),
+        L.DP_QuickSpectralDense(16), L.DP_GroupSort(2),
+        _TripledDense(16), L.DP_GroupSort(2), L.DP_QuickSpectralDense(4),
+    ], **_dp_kwargs((10,), 4))
+    model.build((None, 10))
+    loss = losses.DP_TauCategoricalCrossentropy(tau=8.0)
+    x, y = random_batch(model)
+    worst, bad = check_soundness(model, loss, on_sphere(x, 1.0), y)
+    print(f"negative control: largest ratio {worst:.3f}, violations {bad}")
+    assert bad, "a ×3 kernel without projection went unnoticed"
+    assert worst > 1.5
+
+
+def test_clip_gradient_is_tight_and_sound():
+    """The cotangent is clipped per example at ``clip_value``: far above the bound
+    without the clip, exactly at it with."""
+    clip = 0.05
+    model = kdp.DP_Sequential([
+        L.DP_BoundedInput((6,), upper_bound=1.0), L.DP_QuickSpectralDense(4),
+        L.DP_ClipGradient(clip), L.DP_QuickSpectralDense(3),
+    ], **_dp_kwargs((6,), 3))
+    model.build((None, 6))
+    loss = losses.DP_MulticlassKR()  # gradient norm exactly 1 everywhere
+    x, y = random_batch(model)
+    ratios = gradient_ratios(model, loss, on_sphere(x, 1.0), y)
+    first = model.layers[1].kernel.path
+    np.testing.assert_allclose(ratios[first], 1.0, rtol=1e-3)
+
+
+@pytest.mark.parametrize("group_size", [2, 3])
+def test_group_sort_gradient_norm_preserving_at_ties(group_size):
+    """At ties (a == b) the Jacobian must stay a permutation: ‖Jᵀg‖ = ‖g‖ exactly
+    (min and max taken separately would both route g to the same input)."""
+    layer = L.DP_GroupSort(group_size)
+    x = np.array([[1.0, 1.0, 1.0, 2.0, 2.0, 0.0]], "float32")
+    g = np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], "float32")
+    (d,) = gradient(lambda t: ops.sum(layer(t) * g), x)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(d)), np.linalg.norm(g), rtol=1e-6)
+
+
+# --- forward bounds ---------------------------------------------------------------
+
+def _layer_outputs_and_bounds(model):
+    """Pairs (layer, sub-model to its output, propagated bound of its output)."""
+    if isinstance(model, keras.Sequential):
+        out = []
+        for i, layer in enumerate(model.layers):
+            sub = keras.Sequential(model.layers[: i + 1])
+            out.append((layer, sub, chain_propagate(model.layers[: i + 1], None)))
+        return out
+    from kdp.bounds import _graph_forward
+
+    _, trace = _graph_forward(model, None)
+    out = []
+    for node, x in trace:
+        sub = keras.Model(model.inputs[0], node.output_tensors[0])
+        out.append((node.operation, sub, propagate(node.operation, x)))
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_bounds(name):
+    model = make_model(name)
+    x, _ = random_batch(model, scale=3.0)
+    xs = np.concatenate([x, on_sphere(x, input_bound(model))])
+    for layer, sub, bound in _layer_outputs_and_bounds(model):
+        norms = _norms(sub(xs))
+        assert norms.max() <= bound * (1 + 1e-5), f"{layer.name}: {norms.max()} > {bound}"
+
+
+# --- projections ------------------------------------------------------------------
+
+KERNEL_LAYERS = [
+    ("dense", lambda: L.DP_SpectralDense(5), (7,)),
+    ("quick_dense", lambda: L.DP_QuickSpectralDense(9), (7,)),
+    ("conv_s1_same", lambda: L.DP_SpectralConv2D(3, 3, strides=1, padding="same"), (6, 6, 2)),
+    ("conv_s2_valid", lambda: L.DP_SpectralConv2D(4, 3, strides=2, padding="valid"), (6, 6, 2)),
+    ("quick_conv_s2_same", lambda: L.DP_QuickSpectralConv2D(3, 3, strides=2, padding="same"), (6, 6, 2)),
+    ("quick_conv_s1_valid", lambda: L.DP_QuickSpectralConv2D(4, 2, strides=1, padding="valid"), (6, 6, 2)),
+]
+
+
+def operator_norm(layer, shape):
+    """Exact largest singular value of the (linear) layer on inputs of ``shape``:
+    the SVD of the kernel for dense layers, of the full operator matrix (the layer
+    applied to every basis vector) for convolutions."""
+    if len(shape) == 1:
+        matrix = np.asarray(layer.kernel)
+    else:
+        n = math.prod(shape)
+        basis = np.eye(n, dtype="float32").reshape((n,) + shape)
+        matrix = np.asarray(layer(basis)).reshape(n, -1)
+    return float(np.linalg.svd(matrix.astype("float64"), compute_uv=False)[0])
+
+
+@pytest.mark.parametrize("kind,make,shape", KERNEL_LAYERS, ids=[k[0] for k in KERNEL_LAYERS])
+def test_projection_certifies_unit_norm(kind, make, shape, rng):
+    layer = make()
+    layer.build((None,) + shape)
+    sigmas = [operator_norm(layer, shape)]
+    kernel = layer.kernel
+    for scale in (0.01, 0.3, 3.0, 30.0):
+        for _ in range(3):  # aggressive updates, each followed by the projection
+            noisy = np.asarray(kernel) + scale * rng.normal(size=kernel.shape)
+            kernel.assign(kernel.constraint(ops.convert_to_tensor(noisy, "float32")))
+            sigmas.append(operator_norm(layer, shape))
+    print(f"{kind}: largest singular value {max(sigmas):.7f} (init {sigmas[0]:.7f})")
+    assert max(sigmas) <= 1 + 1e-6
+    if kind.endswith("dense") and not kind.startswith("quick"):
+        # the full projection converges: orthogonal up to its tolerance
+        assert min(sigmas) >= 1 - 1e-3
+
+
+# --- serialization ------------------------------------------------------------------
+
+SINGLE_LAYERS = [
+    (lambda: L.DP_BoundedInput((5,), upper_bound=0.7), (5,)),
+    (lambda: L.DP_SpectralDense(4, nm_coef=2.0), (5,)),
+    (lambda: L.DP_QuickSpectralDense(6), (5,)),
+    (lambda: L.DP_SpectralConv2D(3, 3, strides=2, padding="valid"), (6, 6, 2)),
+    (lambda: L.DP_QuickSpectralConv2D(3, (3, 2), strides=(1, 2), padding="same"), (6, 6, 2)),
+    (lambda: L.DP_GroupSort(2), (6,)),
+    (lambda: L.DP_GroupSort(3), (6,)),
+    (lambda: L.DP_ReLU(), (6,)),
+    (lambda: L.DP_ScaledL2NormPooling2D(2), (6, 6, 2)),
+    (lambda: L.DP_ScaledGlobalL2NormPooling2D(), (6, 6, 2)),
+    (lambda: L.DP_Flatten(), (6, 6, 2)),
+    (lambda: L.DP_Reshape((2, 3)), (6,)),
+    (lambda: L.DP_LayerCentering("spatial"), (6, 6, 2)),
+    (lambda: L.DP_AddBias(0.5), (6, 6, 2)),
+    (lambda: L.DP_ClipGradient(0.3), (6,)),
+    (lambda: L.DP_Residual([L.DP_QuickSpectralDense(6), L.DP_GroupSort(2)], merge="add"), (6,)),
+]
+
+
+@pytest.mark.parametrize("make,shape", SINGLE_LAYERS, ids=lambda v: getattr(v, "__name__", None) if callable(v) else str(v))
+def test_layer_config_round_trip(make, shape, rng):
+    layer = make()
+    x = rng.normal(size=(3,) + shape).astype("float32")
+    layer.build((None,) + shape)
+    for v in layer.weights:  # non-trivial weights (a bias of zeros proves nothing)
+        v.assign(v.constraint(np.asarray(v) + 0.3) if v.constraint else np.asarray(v) + 0.3)
+    clone = type(layer).from_config(layer.get_config())
+    clone.build((None,) + shape)
+    clone.set_weights(layer.get_weights())
+    assert type(clone) is type(layer)
+    np.testing.assert_allclose(np.asarray(clone(x)), np.asarray(layer(x)), rtol=1e-6, atol=1e-6)
+    assert clone.propagate_inputs(2.0) == layer.propagate_inputs(2.0)
+    assert clone.backpropagate_inputs(2.0, 1.5) == layer.backpropagate_inputs(2.0, 1.5)
+
+
+@pytest.mark.parametrize("name", ["convnet", "mlp_mixed", "functional"])
+def test_model_save_load(name, tmp_path):
+    model, loss = soundness_run(name)["model"], LOSSES[name]()  # trained and compiled
+    x, _ = random_batch(model, seed=5)
+    path = tmp_path / f"{name}.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is type(model)
+    np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(model(x)), rtol=1e-5, atol=1e-6)
+    bounds = kdp.compute_gradient_bounds(model, loss)
+    loaded_bounds = kdp.compute_gradient_bounds(loaded, loss)
+    assert len(bounds) == len(loaded_bounds)
+    assert sorted(bounds.values()) == pytest.approx(sorted(loaded_bounds.values()))
+
+
+# --- clear errors ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    lambda: keras.layers.Dense(4, name="plain_dense"),
+    lambda: keras.layers.BatchNormalization(name="batch_norm"),
+    lambda: keras.layers.Dropout(0.1, name="dropout"),
+])
+def test_unsupported_layer_is_named(bad):
+    layer = bad()
+    for model in (
+        keras.Sequential([L.DP_BoundedInput((4,), 1.0), L.DP_QuickSpectralDense(4), layer,
+                          L.DP_QuickSpectralDense(2)]),
+        _functional_with(layer),
+    ):
+        model.build((None, 4))
+        with pytest.raises(BoundError, match=layer.name):
+            kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR())
+
+
+def _functional_with(layer):
+    inputs = keras.Input((4,))
+    h = L.DP_QuickSpectralDense(4)(L.DP_BoundedInput(upper_bound=1.0)(inputs))
+    return keras.Model(inputs, L.DP_QuickSpectralDense(2)(layer(h)))
+
+
+def test_loss_without_lipschitz_constant_is_refused():
+    model = make_model("mlp_quick")
+    with pytest.raises(BoundError, match="get_L"):
+        kdp.compute_gradient_bounds(model, keras.losses.CategoricalCrossentropy())
+
+
+def test_missing_input_bound_is_refused():
+    model = keras.Sequential([keras.Input((4,)), L.DP_QuickSpectralDense(2)])
+    with pytest.raises(BoundError, match="input norm bound"):
+        kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR())
+    assert kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR(), input_bound=3.0)
