@@ -7,6 +7,8 @@ gradient of an arbitrary function, which Keras does not expose: it lives here.
 
 import keras
 
+from kdp.layers.clip import per_example_units
+
 
 def gradient(fn, *args):
     """``∇ fn(*args)`` with respect to every positional argument (a tuple).
@@ -51,6 +53,11 @@ def per_example_gradients(model, loss, x, y):
         ``{variable.path: array of shape (batch, *variable.shape)}`` for every
         trainable variable of ``model``.
     """
+    with per_example_units(model):
+        return _per_example_gradients(model, loss, x, y)
+
+
+def _per_example_gradients(model, loss, x, y):
     backend = keras.backend.backend()
     variables = model.trainable_variables
     if backend == "jax":

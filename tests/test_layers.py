@@ -133,24 +133,6 @@ def on_sphere(x, radius):
 
 # --- the soundness check --------------------------------------------------------
 
-class _PerExampleUnits:
-    """Sets `DP_ClipGradient.cotangent_scale` to 1 while measuring, as the unreduced
-    per-example loss is what its ``clip_value`` refers to (a DP model sets ``1/b``
-    for its ``Σ ℓ_i / b`` objective)."""
-
-    def __init__(self, model):
-        self.clips = [l for l in model._flatten_layers() if isinstance(l, L.DP_ClipGradient)]
-
-    def __enter__(self):
-        self.saved = [c.cotangent_scale for c in self.clips]
-        for c in self.clips:
-            c.cotangent_scale = 1.0
-
-    def __exit__(self, *exc):
-        for c, s in zip(self.clips, self.saved):
-            c.cotangent_scale = s
-
-
 def _norms(g):
     g = np.asarray(g)
     return np.sqrt((g.reshape(len(g), -1).astype("float64") ** 2).sum(1))
@@ -159,8 +141,7 @@ def _norms(g):
 def gradient_ratios(model, loss, x, y):
     """``{variable.path: per-example ‖∇_v ℓ_i‖ / bound_v}``."""
     bounds = kdp.compute_gradient_bounds(model, loss)
-    with _PerExampleUnits(model):
-        grads = per_example_gradients(model, loss, x, y)
+    grads = per_example_gradients(model, loss, x, y)
     assert set(grads) == set(bounds)
     return {p: _norms(g) / bounds[p] for p, g in grads.items()}
 
@@ -194,11 +175,10 @@ def ascend(model, loss, x, y, steps=3, lr=0.3):
         return sum(ops.sum(ops.square(g)) / bounds[p] ** 2 for p, g in grads.items())
 
     x = on_sphere(x, radius)
-    with _PerExampleUnits(model):
-        step = _gradient_fn(objective)
-        for _ in range(steps):
-            d = np.nan_to_num(np.asarray(step(x)))
-            x = on_sphere(x + lr * radius * on_sphere(d + 1e-12, 1.0), radius)
+    step = _gradient_fn(objective)
+    for _ in range(steps):
+        d = np.nan_to_num(np.asarray(step(x)))
+        x = on_sphere(x + lr * radius * on_sphere(d + 1e-12, 1.0), radius)
     return x
 
 

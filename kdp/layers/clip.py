@@ -1,5 +1,7 @@
 """Per-example clipping of the loss cotangent (the "hybrid" approach, §3.1)."""
 
+import contextlib
+
 import keras
 from keras import ops
 
@@ -48,3 +50,18 @@ class DP_ClipGradient(DPLayer, keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "clip_value": self.clip_value}
+
+
+@contextlib.contextmanager
+def per_example_units(model):
+    """Temporarily clip at ``clip_value`` itself (``cotangent_scale = 1``) in every
+    `DP_ClipGradient` of ``model``: for per-example gradients of unreduced losses."""
+    clips = [l for l in model._flatten_layers(include_self=False) if isinstance(l, DP_ClipGradient)]
+    saved = [l.cotangent_scale for l in clips]
+    for layer in clips:
+        layer.cotangent_scale = 1.0
+    try:
+        yield
+    finally:
+        for layer, scale in zip(clips, saved):
+            layer.cotangent_scale = scale
