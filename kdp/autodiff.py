@@ -37,6 +37,20 @@ def gradient(fn, *args):
     raise NotImplementedError(f"kdp.autodiff does not support the {backend!r} backend")
 
 
+def compile_function(fn):
+    """``fn`` compiled by the backend (``jax.jit`` / ``tf.function``); as is elsewhere."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.jit(fn)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn, reduce_retracing=True)
+    return fn
+
+
 def per_example_gradients(model, loss, x, y):
     """Gradient of every example's own loss, vectorized over the batch.
 

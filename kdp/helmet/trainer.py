@@ -25,6 +25,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kdp.autodiff import compile_function
 from kdp.helmet import constants, objectives
 from kdp.helmet.preprocessing import FeatureClip, augment, clip_by_l2_norm
 
@@ -113,16 +114,7 @@ def _psgd(kind, fit_intercept, c, X, Y, idx, active, lam, R, inv_beta, h):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(backend, kind, fit_intercept):
-    fn = functools.partial(_psgd, kind, fit_intercept)
-    if backend == "jax":
-        import jax
-
-        return jax.jit(fn)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.function(fn, reduce_retracing=True)
-    return fn
+    return compile_function(functools.partial(_psgd, kind, fit_intercept))
 
 
 def one_hot(y, num_classes):
