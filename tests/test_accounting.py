@@ -1,0 +1,269 @@
+"""ε is right: kdp.accounting against dp-accounting, a closed form, and the anchors.
+
+Every expected value here is computed independently of kdp: directly with
+`dp_accounting`, with the analytic Gaussian mechanism of Balle & Wang (2018)
+written out below with `math.erf`, or read from the anchor table of
+``research/clipless_dpsgd_bethune.md`` §4.4.
+"""
+
+import math
+
+import dp_accounting
+import keras
+import pytest
+
+from kdp import accounting, layers, losses
+from kdp.model import DP_Sequential, DPParameters
+from kdp.pipeline import DatasetMetadata
+
+DELTA = 1e-5
+
+
+# --- independent references ---------------------------------------------------
+
+def _phi(x):
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def analytic_gaussian_delta(epsilon, sigma):
+    """δ(ε) of the Gaussian mechanism with sensitivity 1 and noise std σ, exact
+    (Balle & Wang 2018, Thm. 8): Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ)."""
+    return _phi(0.5 / sigma - epsilon * sigma) - math.exp(epsilon) * _phi(-0.5 / sigma - epsilon * sigma)
+
+
+def analytic_gaussian_epsilon(sigma, delta):
+    """The ε at which the exact δ(ε) curve of the Gaussian mechanism reaches δ (bisection)."""
+    lo, hi = 0.0, 1.0
+    while analytic_gaussian_delta(hi, sigma) > delta:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if analytic_gaussian_delta(mid, sigma) > delta else (lo, mid)
+    return hi
+
+
+def direct_epsilon(sigma, q, steps, delta, accountant):
+    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return acc.get_epsilon(delta)
+
+
+def _model(noisify="global", sigma=2.0, n=60_000, b=1000, units=(), sampling="poisson"):
+    """A small DP model; ``units`` sets the dense layers (one trainable variable each)."""
+    stack = [layers.DP_BoundedInput((8,), 1.0)]
+    stack += [layers.DP_QuickSpectralDense(u) for u in units] or [layers.DP_QuickSpectralDense(4)]
+    model = DP_Sequential(
+        stack,
+        dp_parameters=DPParameters(noisify, sigma, DELTA, sampling=sampling),
+        dataset_metadata=DatasetMetadata((8,), 4, n, b),
+    )
+    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(1.0))
+    return model
+
+
+# --- agreement with dp-accounting ----------------------------------------------
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("sigma,q,steps", [(1.0, 0.01, 100), (2.0, 1 / 60, 600), (0.8, 0.1, 37)])
+def test_compute_epsilon_equals_direct_dp_accounting(accountant, sigma, q, steps):
+    got = accounting.compute_epsilon(sigma, q, steps, DELTA, accountant)
+    assert got == pytest.approx(direct_epsilon(sigma, q, steps, DELTA, accountant), rel=1e-9)
+
+
+# --- closed form at q = 1 ----------------------------------------------------------
+
+@pytest.mark.parametrize("sigma,steps", [(1.0, 1), (2.0, 4), (5.0, 10), (0.7, 1)])
+def test_unsampled_gaussian_matches_analytic_gaussian_mechanism(sigma, steps):
+    # T unsampled Gaussian steps = one Gaussian of noise σ/√T (exact composition).
+    exact = analytic_gaussian_epsilon(sigma / math.sqrt(steps), DELTA)
+    pld = accounting.compute_epsilon(sigma, 1.0, steps, DELTA, "pld")
+    rdp = accounting.compute_epsilon(sigma, 1.0, steps, DELTA, "rdp")
+    assert pld == pytest.approx(exact, rel=2e-3)  # PLD is (near) exact for a Gaussian
+    assert exact <= rdp <= 1.25 * exact  # RDP is a valid but looser upper bound
+
+
+def test_analytic_reference_is_itself_right():
+    # Sanity of the independent reference: δ(ε) decreases, and at ε = 0 equals 2Φ(1/(2σ)) − 1.
+    assert analytic_gaussian_delta(0.0, 1.0) == pytest.approx(2 * _phi(0.5) - 1)
+    eps = analytic_gaussian_epsilon(1.0, DELTA)
+    assert analytic_gaussian_delta(eps, 1.0) == pytest.approx(DELTA, rel=1e-6)
+
+
+# --- monotonicity, max steps / epochs, calibration ----------------------------------
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_non_decreasing_in_steps(accountant):
+    grid = [0, 1, 2, 5, 10, 50, 100, 300, 1000]
+    eps = [accounting.compute_epsilon(1.1, 0.02, s, DELTA, accountant) for s in grid]
+    assert eps[0] == 0.0
+    assert all(a <= b for a, b in zip(eps, eps[1:])), eps
+
+
+@pytest.mark.parametrize("eps_max,sigma,q", [(1.0, 1.0, 0.01), (3.0, 0.9, 0.05), (8.0, 2.0, 0.2)])
+def test_max_steps_brackets_the_budget(eps_max, sigma, q):
+    n = accounting.max_steps(eps_max, sigma, q, DELTA)
+    assert n > 0
+    assert accounting.compute_epsilon(sigma, q, n, DELTA) <= eps_max
+    assert accounting.compute_epsilon(sigma, q, n + 1, DELTA) > eps_max
+
+
+def test_max_steps_is_zero_when_one_step_is_too_much():
+    assert accounting.max_steps(0.01, 0.5, 0.5, DELTA) == 0
+
+
+@pytest.mark.parametrize("noisify,units,expected", [("global", (), 92), ("per-layer", (8, 8, 8, 4), 11)])
+def test_get_max_epochs_anchor_and_bracket(noisify, units, expected):
+    # research note §4.4: MNIST N = 60 000, b = 1000, σ = 2, ε_max = 3 (RDP): 92 global, 11 per-layer D=4.
+    model = _model(noisify, units=units)
+    epochs = accounting.get_max_epochs(3.0, model)
+    assert epochs == expected
+    spe = model.dataset_metadata.steps_per_epoch
+    sigma = model.effective_noise_multiplier()
+    assert accounting.compute_epsilon(sigma, 1 / 60, epochs * spe, DELTA) <= 3.0
+    assert accounting.compute_epsilon(sigma, 1 / 60, (epochs + 1) * spe, DELTA) > 3.0
+    eps, delta = accounting.get_eps_delta(model, epochs)
+    assert eps <= 3.0 < accounting.get_eps_delta(model, epochs + 1)[0] and delta == DELTA
+
+
+@pytest.mark.parametrize("accountant,target,q,steps", [
+    ("rdp", 1.0, 0.05, 500), ("rdp", 3.0, 0.01, 1000), ("rdp", 8.0, 0.2, 200), ("pld", 3.0, 0.05, 100),
+])
+def test_calibrate_noise_multiplier_inverts_compute_epsilon(accountant, target, q, steps):
+    sigma = accounting.calibrate_noise_multiplier(target, q, steps, DELTA, accountant=accountant)
+    eps = accounting.compute_epsilon(sigma, q, steps, DELTA, accountant)
+    assert eps <= target
+    assert eps == pytest.approx(target, abs=1e-3)
+
+
+# --- per-layer composition ------------------------------------------------------------
+
+@pytest.mark.parametrize("depth", [1, 2, 4, 7])
+def test_per_layer_sigma_eff_is_global_sigma_over_sqrt_depth(depth):
+    sigma = 2.0
+    assert accounting.effective_noise_multiplier([sigma] * depth) == pytest.approx(sigma / math.sqrt(depth))
+    model = _model("per-layer", sigma, units=(8,) * (depth - 1) + (4,))
+    assert len(model.trainable_variables) == depth
+    assert model.effective_noise_multiplier() == pytest.approx(sigma / math.sqrt(depth))
+    per_layer = accounting.get_eps_delta(model, 3)[0]
+    global_ = accounting.compute_epsilon(sigma / math.sqrt(depth), 1 / 60, 3 * 60, DELTA)
+    assert per_layer == pytest.approx(global_, rel=1e-12)
+
+
+def test_per_layer_sigma_eff_uses_the_noise_coefficients():
+    model = _model("per-layer", 2.0, units=(8, 4))
+    model.layers[1].nm_coef = 3.0  # σ_1 = 6, σ_2 = 2
+    assert model.effective_noise_multiplier() == pytest.approx((6.0**-2 + 2.0**-2) ** -0.5)
+
+
+# --- the anchor table (research note §4.4) -------------------------------------------
+
+@pytest.mark.parametrize("epochs,rdp_g,pld_g,rdp_l,pld_l", [
+    (1, 0.323, 0.259, 1.485, 1.016),
+    (10, 0.915, 0.830, 2.824, 2.486),
+    (100, 3.140, 2.891, 9.122, 8.416),
+])
+def test_anchor_table(epochs, rdp_g, pld_g, rdp_l, pld_l):
+    steps = 60 * epochs
+    for sigma, rdp, pld in ((2.0, rdp_g, pld_g), (1.0, rdp_l, pld_l)):
+        assert accounting.compute_epsilon(sigma, 1 / 60, steps, DELTA, "rdp") == pytest.approx(rdp, abs=1.5e-3)
+        assert accounting.compute_epsilon(sigma, 1 / 60, steps, DELTA, "pld") == pytest.approx(pld, abs=1.5e-3)
+
+
+# --- shuffled batches -----------------------------------------------------------------
+
+@pytest.mark.parametrize("steps,passes", [(1, 1), (10, 1), (11, 2), (35, 4)])
+def test_shuffle_mode_is_one_unamplified_replace_one_gaussian_per_pass(steps, passes):
+    # Documented assumption: each started pass over the data (≥ steps_per_epoch steps of at
+    # most b records) is one Gaussian release under replace-one adjacency (σ/2), no amplification.
+    sigma = 3.0
+    eps = accounting.compute_epsilon(sigma, 0.1, steps, DELTA, "pld", sampling="shuffle", steps_per_epoch=10)
+    exact = analytic_gaussian_epsilon(sigma / 2 / math.sqrt(passes), DELTA)
+    assert eps == pytest.approx(exact, rel=2e-3)
+    assert "replace-one" in accounting.ASSUMPTIONS["shuffle"]
+    assert "Poisson" in accounting.ASSUMPTIONS["poisson"]
+
+
+def test_shuffle_mode_is_never_cheaper_than_poisson():
+    poisson = accounting.compute_epsilon(2.0, 0.1, 100, DELTA)
+    shuffle = accounting.compute_epsilon(2.0, 0.1, 100, DELTA, sampling="shuffle", steps_per_epoch=10)
+    assert shuffle > poisson
+
+
+def test_shuffle_ledger_counts_started_passes():
+    # Within one fit the steps are contiguous passes; a new fit starts a new pass.
+    model = _model("global", 2.0, n=100, b=10, sampling="shuffle")
+    spec = model.privacy_spec()
+    assert spec["sampling"] == "shuffle" and spec["steps_per_epoch"] == 10
+    ledger = model.privacy_ledger
+    for _ in range(15):  # one fit of 15 steps: 2 passes
+        ledger.record_training_steps(1, 2.0, 0.1, "shuffle", 10)
+    ledger.record_training_steps(1, 2.0, 0.1, "shuffle", 10, new_run=True)  # a new fit: a 3rd pass
+    eps, _ = model.privacy_spent("pld")
+    assert eps == pytest.approx(analytic_gaussian_epsilon(1.0 / math.sqrt(3), DELTA), rel=2e-3)
+
+
+# --- validation -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noise_multiplier=0.0), "noise_multiplier"),
+    (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    (dict(sampling_rate=0.0), "sampling_rate"),
+    (dict(sampling_rate=1.5), "sampling_rate"),
+    (dict(steps=-1), "steps"),
+    (dict(delta=0.0), "delta"),
+    (dict(delta=1.0), "delta"),
+    (dict(accountant="prv"), "accountant"),
+    (dict(sampling="replace"), "sampling"),
+    (dict(sampling="shuffle"), "steps_per_epoch"),
+])
+def test_compute_epsilon_validates(kwargs, match):
+    args = dict(noise_multiplier=1.0, sampling_rate=0.1, steps=10, delta=DELTA)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        accounting.compute_epsilon(**args)
+
+
+def test_calibrate_and_max_steps_validate():
+    with pytest.raises(ValueError, match="target_epsilon"):
+        accounting.calibrate_noise_multiplier(0.0, 0.1, 10, DELTA)
+    with pytest.raises(ValueError, match="epsilon_max"):
+        accounting.max_steps(-1.0, 1.0, 0.1, DELTA)
+    with pytest.raises(ValueError, match="noise multipliers"):
+        accounting.effective_noise_multiplier([])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noisify_strategy="local"), "noisify_strategy"),
+    (dict(noise_multiplier=0.0), "noise_multiplier"),
+    (dict(noise_multiplier=float("inf")), "noise_multiplier"),
+    (dict(delta=0.0), "delta"),
+    (dict(delta=1.0), "delta"),
+    (dict(sampling="uniform"), "sampling"),
+    (dict(seed=3), "reproducible"),
+])
+def test_dp_parameters_validate(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPParameters(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(nb_samples_train=0), "nb_samples_train"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(batch_size=101), "batch_size"),
+    (dict(max_norm=0.0), "max_norm"),
+])
+def test_dataset_metadata_validates(kwargs, match):
+    args = dict(input_shape=(8,), nb_classes=4, nb_samples_train=100, batch_size=10)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        DatasetMetadata(**args)
+
+
+def test_get_eps_delta_includes_what_the_ledger_spent():
+    model = _model("global", 2.0)
+    model.privacy_ledger.record_training_steps(120, 2.0, 1 / 60, "poisson", 60)
+    assert model.privacy_spent()[0] == pytest.approx(accounting.compute_epsilon(2.0, 1 / 60, 120, DELTA))
+    assert accounting.get_eps_delta(model, 3)[0] == pytest.approx(
+        accounting.compute_epsilon(2.0, 1 / 60, 300, DELTA))
+    assert accounting.get_max_epochs(3.0, model) == 92 - 2
+    keras.backend.clear_session()

@@ -1,0 +1,357 @@
+"""Clipless DP-SGD in `fit`: the noise, the sampling, the ledger, the errors.
+
+Runs on whichever ``KERAS_BACKEND`` is set (CI runs it on TensorFlow and JAX).
+
+The noise is isolated through the real training path (`PoissonBatches`, Keras'
+own compiled ``train_step``): every sample weight is 0, so the data gradient is
+exactly 0; the optimizer is SGD with learning rate 1 and no momentum, so a step
+moves each variable by minus its noise; the kernel constraints (projections) are
+detached, so nothing alters the update. The expected stds are written out by
+hand from the bound formulas, independently of `compute_gradient_bounds`.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from scipy import stats
+
+import kdp
+from kdp import accounting, layers, losses
+from kdp.bounds import BoundError
+from kdp.model import DP_Sequential, DPParameters
+from kdp.pipeline import DatasetMetadata, PoissonBatches
+
+SQRT2 = math.sqrt(2.0)  # L of DP_TauCategoricalCrossentropy
+D_IN, X0, B_NORM = 24, 2.0, 0.5
+N, BATCH = 256, 32
+
+
+def _noise_model(strategy, sigma=1.5, nm_coef=2.5, seed=None, clip=None):
+    stack = [
+        layers.DP_BoundedInput((D_IN,), X0),
+        layers.DP_QuickSpectralDense(96, nm_coef=nm_coef),
+        layers.DP_AddBias(B_NORM),
+        layers.DP_GroupSort(2),
+        layers.DP_QuickSpectralDense(8),
+    ]
+    if clip is not None:
+        stack.append(layers.DP_ClipGradient(clip))
+    params = DPParameters(strategy, sigma, 1e-3, reproducible=seed is not None, seed=seed)
+    model = DP_Sequential(stack, dp_parameters=params, dataset_metadata=DatasetMetadata((D_IN,), 8, N, BATCH))
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=losses.DP_TauCategoricalCrossentropy(2.0))
+    return model
+
+
+def _expected_stds(strategy, sigma=1.5, nm_coef=2.5, L=SQRT2):
+    """By hand: Δ_W1 = X0·L, Δ_bias = L, Δ_W2 = (X0 + B)·L; std = σ c Δ / b or σ ‖Δ‖ / b."""
+    deltas = [X0 * L, L, (X0 + B_NORM) * L]
+    if strategy == "global":
+        total = math.sqrt(sum(d * d for d in deltas))
+        return [sigma * total / BATCH] * 3
+    coefs = [nm_coef, 1.0, 1.0]
+    return [sigma * c * d / BATCH for c, d in zip(coefs, deltas)]
+
+
+def _draw_noise(model, steps, data_seed=0):
+    """Run ``steps`` real training steps with zero learning signal; return, per
+    variable, the array ``(steps, size)`` of the noise the gradient carried."""
+    for v in model.trainable_variables:
+        v.constraint = None  # detach the projection: the update is then exactly −noise
+    rng = np.random.default_rng(data_seed)
+    x = rng.normal(size=(N, D_IN)).astype("float32")
+    y = rng.integers(0, 8, N)
+    snapshots = [[np.array(v) for v in model.trainable_variables]]
+
+    class Snap(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            snapshots.append([np.array(v) for v in self.model.trainable_variables])
+
+    model.fit(x, y, sample_weight=np.zeros(N), epochs=1, steps_per_epoch=steps, verbose=0,
+              callbacks=[Snap()])
+    assert len(snapshots) == steps + 1
+    return [
+        np.stack([(snapshots[t][i] - snapshots[t + 1][i]).ravel() for t in range(steps)])
+        for i in range(len(model.trainable_variables))
+    ]
+
+
+def _within(measured, expected, tol=0.03):
+    return abs(measured / expected - 1.0) <= tol
+
+
+def _rms(noise):
+    return float(np.sqrt(np.mean(np.square(noise, dtype="float64"))))
+
+
+STEPS = 120  # bias: 96 × 120 = 11 520 draws, relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
+
+
+@pytest.fixture(scope="module", params=["per-layer", "global"])
+def noise_run(request):
+    keras.utils.set_random_seed(1)
+    model = _noise_model(request.param)
+    return request.param, model, _draw_noise(model, STEPS)
+
+
+def test_noise_std_is_what_the_guarantee_says(noise_run):
+    strategy, model, noise = noise_run
+    expected = _expected_stds(strategy)
+    assert list(model.noise_stds().values()) == pytest.approx(expected, rel=1e-6)
+    ratios = [_rms(n) / e for n, e in zip(noise, expected)]
+    print(f"\n{strategy} noise std / formula: {[round(r, 4) for r in ratios]}")
+    for n, e in zip(noise, expected):
+        assert _within(_rms(n), e), (strategy, _rms(n), e)
+        assert abs(n.mean()) < 5 * e / math.sqrt(n.size)  # centred
+
+
+def test_noise_negative_control_sigma_10_percent_off_is_detected(noise_run):
+    # A model whose σ is 10 % off (here: the formula of a σ 10 % larger, or smaller,
+    # than the one the model uses) must fail the 3 % check on every variable.
+    strategy, _, noise = noise_run
+    for factor in (1.1, 1 / 1.1):
+        for n, e in zip(noise, _expected_stds(strategy, sigma=1.5 * factor)):
+            assert not _within(_rms(n), e)
+    # and so must a wrong per-layer coefficient
+    if strategy == "per-layer":
+        assert not _within(_rms(noise[0]), _expected_stds(strategy, nm_coef=2.5 * 1.1)[0])
+
+
+def test_noise_is_independent_across_variables_and_steps(noise_run):
+    _, _, noise = noise_run
+    limit = 5 / math.sqrt(96 * (STEPS - 1))
+    for n in noise:  # consecutive steps of one variable
+        z = n / n.std()
+        assert abs(np.mean(z[1:] * z[:-1])) < 5 / math.sqrt(z[1:].size)
+    # different variables in the same step, on the same number of coordinates
+    a, b, c = (n[:, :96] / n.std() for n in noise)
+    for u, v in ((a, b), (a, c), (b, c)):
+        assert abs(np.mean(u * v)) < limit
+    # coordinates of one variable in one step
+    z = noise[0] / noise[0].std()
+    assert abs(np.mean(z[:, 0::2] * z[:, 1::2])) < 5 / math.sqrt(z[:, 0::2].size)
+
+
+def test_noise_seeds():
+    draws = {}
+    for name, seed in (("a", 7), ("b", 7), ("c", None), ("d", None)):
+        keras.utils.set_random_seed(3)  # same global seed: only the DP seed can differ
+        draws[name] = _draw_noise(_noise_model("global", seed=seed), 3)
+    assert all(np.array_equal(u, v) for u, v in zip(draws["a"], draws["b"]))
+    for other in ("c", "d"):
+        assert not np.allclose(draws["a"][0], draws[other][0])
+    assert not np.allclose(draws["c"][0], draws["d"][0])
+
+
+@pytest.mark.parametrize("clip,L_eff", [(0.3, 0.3), (5.0, SQRT2)])
+def test_clip_gradient_lowers_the_noise(clip, L_eff):
+    keras.utils.set_random_seed(2)
+    model = _noise_model("per-layer", clip=clip)
+    expected = _expected_stds("per-layer", L=L_eff)
+    assert list(model.noise_stds().values()) == pytest.approx(expected, rel=1e-6)
+    noise = _draw_noise(model, 40)
+    for n, e in zip(noise[::2], expected[::2]):  # the kernels (bias: too few draws in 40 steps)
+        assert _within(_rms(n), e, tol=0.05), (_rms(n), e)
+
+
+# --- Poisson sampling ------------------------------------------------------------
+
+def test_poisson_inclusion_rate_and_batch_sizes():
+    n, b, draws = 200, 20, 3000
+    q = b / n
+    x = np.arange(1, n + 1, dtype="float32")[:, None]
+    batches = PoissonBatches(x, np.zeros(n), b, seed=123)
+    counts = np.zeros(n)
+    sizes = []
+    for i in range(draws):
+        bx, _, bw = batches[i % len(batches)]
+        assert len(bx) == batches.capacity and bx.shape[1:] == (1,)
+        real = bw > 0
+        assert np.all(bx[~real] == 0)  # padding rows are zeros with weight 0
+        ids = bx[real, 0].astype(int) - 1
+        assert len(np.unique(ids)) == len(ids)
+        counts[ids] += 1
+        sizes.append(real.sum())
+    # every example's inclusion count is Binomial(draws, q): two-sided tests, Bonferroni
+    pvals = [stats.binomtest(int(c), draws, q).pvalue for c in counts]
+    assert min(pvals) * n > 1e-3
+    dispersion = np.sum((counts - draws * q) ** 2 / (draws * q * (1 - q)))
+    assert stats.chi2.sf(dispersion, n) > 1e-3 and stats.chi2.cdf(dispersion, n) > 1e-3
+    # batch sizes are Binomial(n, q)
+    sizes = np.array(sizes)
+    assert abs(sizes.mean() - b) < 5 * math.sqrt(n * q * (1 - q) / draws)
+    assert sizes.var() / (n * q * (1 - q)) == pytest.approx(1.0, abs=0.15)
+
+
+def test_poisson_batches_are_never_truncated():
+    n, b = 300, 30
+    x = np.arange(1, n + 1, dtype="float32")[:, None]
+    w = np.linspace(0.2, 1.0, n).astype("float32")
+    batches, twin = PoissonBatches(x, np.zeros(n), b, w, seed=5), PoissonBatches(x, np.zeros(n), b, w, seed=5)
+    batches.capacity = twin.capacity = 4  # force an overflow
+    for _ in range(5):
+        idx = twin.sample_indices()
+        bx, _, bw = batches[0]
+        assert len(bx) >= len(idx) and len(bx) % 4 == 0
+        assert np.array_equal(bx[: len(idx), 0], x[idx, 0]) and np.array_equal(bw[: len(idx)], w[idx])
+        assert np.all(bw[len(idx):] == 0)
+
+
+# --- ledger and callback --------------------------------------------------------------
+
+def _small_model(sigma=1.0, n=120, b=30, delta=1e-3, **params):
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((6,), 1.0), layers.DP_QuickSpectralDense(8), layers.DP_GroupSort(2),
+         layers.DP_QuickSpectralDense(3)],
+        dp_parameters=DPParameters("per-layer", sigma, delta, **params),
+        dataset_metadata=DatasetMetadata((6,), 3, n, b),
+    )
+    model.compile(optimizer="adam", loss=losses.DP_TauCategoricalCrossentropy(1.0))
+    return model
+
+
+def _data(n=120, d=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, d)).astype("float32"), rng.integers(0, classes, n)
+
+
+def test_history_epsilon_per_epoch():
+    model = _small_model()
+    x, y = _data()
+    history = model.fit(x, y, epochs=3, verbose=0, callbacks=[kdp.DP_Accountant()])
+    sigma_eff = 1.0 / math.sqrt(2)
+    expected = [accounting.compute_epsilon(sigma_eff, 0.25, 4 * (e + 1), 1e-3) for e in range(3)]
+    assert history.history["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert history.history["delta"] == [1e-3] * 3
+    assert model.privacy_ledger.training_steps() == 12
+
+
+def test_accountant_stops_before_the_budget_and_refuses_an_exhausted_model():
+    model = _small_model()
+    x, y = _data()
+    sigma_eff, q = 1.0 / math.sqrt(2), 0.25
+    eps_max = 0.5 * (accounting.compute_epsilon(sigma_eff, q, 7, 1e-3)
+                     + accounting.compute_epsilon(sigma_eff, q, 8, 1e-3))  # allows exactly 7 steps
+    history = model.fit(x, y, epochs=10, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=eps_max)])
+    assert model.privacy_ledger.training_steps() == 7
+    assert history.history["epsilon"][-1] <= eps_max
+    assert model.privacy_spent()[0] == pytest.approx(accounting.compute_epsilon(sigma_eff, q, 7, 1e-3))
+    with pytest.raises(RuntimeError, match="exhausted"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=eps_max)])
+    assert model.privacy_ledger.training_steps() == 7
+
+
+def test_shuffle_mode_with_arrays_is_accounted_per_pass():
+    model = _small_model(sampling="shuffle")
+    x, y = _data()
+    history = model.fit(x, y, epochs=3, verbose=0, callbacks=[kdp.DP_Accountant(accountant="pld")])
+    assert model.privacy_ledger.training_steps() == 12
+    sigma_eff = 1.0 / math.sqrt(2)
+    expected = [accounting.compute_epsilon(sigma_eff, 0.25, 4 * (e + 1), 1e-3, "pld", "shuffle", 4)
+                for e in range(3)]
+    assert history.history["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+# --- clear errors ---------------------------------------------------------------------
+
+def test_error_non_dp_layer():
+    model = DP_Sequential([layers.DP_BoundedInput((6,), 1.0), keras.layers.Dense(3, use_bias=False)],
+                          dp_parameters=DPParameters(delta=1e-3), dataset_metadata=DatasetMetadata((6,), 3, 120, 30))
+    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(1.0))
+    with pytest.raises(BoundError, match="no DP bound protocol"):
+        model.fit(*_data(), epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("loss", ["categorical_crossentropy", keras.losses.MeanSquaredError()])
+def test_error_loss_without_get_L(loss):
+    model = _small_model()
+    model.compile(optimizer="sgd", loss=loss)
+    with pytest.raises(BoundError, match="get_L"):
+        model.fit(*_data(), epochs=1, verbose=0)
+
+
+def test_error_batch_larger_than_dataset():
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        DatasetMetadata((6,), 3, 100, 101)
+    model = _small_model()
+    with pytest.raises(ValueError, match="batch_size"):
+        model.fit(*_data(), batch_size=60, epochs=1, verbose=0)
+
+
+def test_error_nan_inputs():
+    x, y = _data()
+    x[5, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        _small_model().fit(x, y, epochs=1, verbose=0)
+
+
+def test_error_weights_above_one():
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        _small_model().fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        _small_model().fit(x, y, sample_weight=np.full(120, 1.5), epochs=1, verbose=0)
+
+
+def test_error_delta_not_below_one_over_n():
+    with pytest.raises(ValueError, match="1/N"):
+        _small_model(delta=1 / 120).fit(*_data(), epochs=1, verbose=0)
+    _small_model(delta=1 / 120, allow_large_delta=True).fit(*_data(), epochs=1, verbose=0)
+
+
+def test_error_wrong_number_of_examples():
+    x, y = _data(n=100)
+    with pytest.raises(ValueError, match="nb_samples_train"):
+        _small_model().fit(x, y, epochs=1, verbose=0)
+
+
+def test_error_dataset_needs_shuffle_option():
+    x, y = _data()
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, size):
+            super().__init__()
+            self.size = size
+
+        def __len__(self):
+            return 120 // self.size
+
+        def __getitem__(self, i):
+            return x[i * self.size:(i + 1) * self.size], y[i * self.size:(i + 1) * self.size]
+
+    with pytest.raises(ValueError, match="sampling='shuffle'"):
+        _small_model().fit(Batches(30), epochs=1, verbose=0)
+    model = _small_model(sampling="shuffle")
+    model.fit(Batches(30), epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 4
+    if keras.backend.backend() == "jax":  # static batch shapes: the check runs at trace time
+        with pytest.raises(ValueError, match="at most b records"):
+            _small_model(sampling="shuffle").fit(Batches(60), epochs=1, verbose=0)
+
+
+# --- end to end -----------------------------------------------------------------------
+
+def test_digits_end_to_end():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+    normalize, bound = kdp.bound_normalize()
+    x_tr, x_te = normalize(x_tr), normalize(x_te)
+    n, b, epochs, target = len(x_tr), 256, 20, 8.0
+    sigma = accounting.calibrate_noise_multiplier(target, b / n, epochs * math.ceil(n / b), 1e-5)
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((64,), bound), layers.DP_QuickSpectralDense(256), layers.DP_AddBias(1.0),
+         layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(10)],
+        dp_parameters=DPParameters("global", sigma, 1e-5),
+        dataset_metadata=DatasetMetadata((64,), 10, n, b),
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=losses.DP_TauCategoricalCrossentropy(8.0))
+    history = model.fit(x_tr, y_tr.astype("int32"), epochs=epochs, verbose=0, callbacks=[kdp.DP_Accountant()])
+    eps = history.history["epsilon"]
+    assert len(eps) == epochs and eps == sorted(eps) and eps[-1] <= target
+    acc = np.mean(np.argmax(model.predict(x_te, verbose=0), -1) == y_te)
+    print(f"\ndigits: test accuracy {acc:.3f} at epsilon {eps[-1]:.3f} (sigma {sigma:.3f})")
+    assert acc > 0.6  # chance is 0.1
