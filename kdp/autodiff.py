@@ -102,3 +102,114 @@ def _per_example_gradients(model, loss, x, y):
             f"per_example_gradients supports the jax and tensorflow backends, not {backend!r}"
         )
     return {v.path: g for v, g in zip(variables, grads)}
+
+
+def probe_cotangents(forward, cotangent):
+    """Cotangents at chosen intermediate tensors, with one forward and one backward pass.
+
+    ``forward(probe)`` runs a computation and returns ``(values, aux)``; inside it,
+    every tensor ``z`` whose cotangent is wanted is replaced by ``probe(z)``
+    (which returns ``z + p`` for a zero tensor ``p`` shaped like ``z``, one per
+    call, in call order). ``aux`` holds whatever the caller needs from the
+    forward pass (e.g. layer inputs); under JAX it must be returned, not kept
+    on the side.
+
+    Returns:
+        ``(values, aux, cotangents)``: ``cotangents[k] = ∂⟨cotangent, values⟩/∂p_k``,
+        i.e. the cotangent of the ``k``-th probed tensor.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        shapes = []
+
+        def record(z):
+            shapes.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+            return z
+
+        jax.eval_shape(lambda: forward(record))  # abstract: shapes only, no compute
+
+        def probed(probes):
+            it = iter(probes)
+            return forward(lambda z: z + next(it))
+
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+        values, vjp_fn, aux = jax.vjp(probed, zeros, has_aux=True)
+        (cotangents,) = vjp_fn(jnp.asarray(cotangent, values.dtype).reshape(values.shape))
+        return values, aux, list(cotangents)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        probes = []
+        with tf.GradientTape() as tape:
+
+            def probe(z):
+                p = tf.zeros_like(z)
+                tape.watch(p)
+                probes.append(p)
+                return z + p
+
+            values, aux = forward(probe)
+        cotangents = tape.gradient(
+            values, probes, output_gradients=tf.reshape(tf.cast(cotangent, values.dtype), tf.shape(values)),
+            unconnected_gradients="zero",
+        )
+        return values, aux, list(cotangents)
+    raise NotImplementedError(f"probe_cotangents supports jax and tensorflow, not {backend!r}")
+
+
+def weighted_per_example_gradients(model, loss_fn, x, y, weights, variables, training=True):
+    """``∇_v (w_i · loss_fn(y_i, model(x_i)))`` for every example ``i``, vectorized.
+
+    Like `per_example_gradients`, but only for ``variables`` (a subset of
+    ``model.trainable_variables``), with per-example weights, in training mode,
+    and usable inside a traced training step (the current values of the
+    variables are those of the step).
+
+    Args:
+        model: a built Keras model.
+        loss_fn: ``(y, y_pred) -> per-example losses`` of shape ``(batch,)``.
+        x, y: one batch; ``weights``: shape ``(batch,)``.
+        variables: the variables to differentiate.
+
+    Returns:
+        A list, one array ``(batch, *variable.shape)`` per variable.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        trainable = list(model.trainable_variables)
+        index = {id(v): j for j, v in enumerate(trainable)}
+        positions = [index[id(v)] for v in variables]
+        base = [v.value for v in trainable]
+        others = [v.value for v in model.non_trainable_variables]
+
+        def example_loss(subset, xi, yi, wi):
+            values = list(base)
+            for j, s in zip(positions, subset):
+                values[j] = s
+            out, _ = model.stateless_call(values, others, xi[None], training=training)
+            return wi * jnp.sum(loss_fn(yi[None], out))
+
+        return list(jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0, 0))(
+            [base[j] for j in positions], jnp.asarray(x), jnp.asarray(y), jnp.asarray(weights)
+        ))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def example_grads(args):
+            xi, yi, wi = args
+            with tf.GradientTape() as tape:
+                value = wi * tf.reduce_sum(loss_fn(yi[None], model(xi[None], training=training)))
+            grads = tape.gradient(value, variables, unconnected_gradients="zero")
+            return [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
+
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        return list(tf.vectorized_map(example_grads, (x, y, tf.cast(weights, "float32"))))
+    raise NotImplementedError(
+        f"weighted_per_example_gradients supports jax and tensorflow, not {backend!r}"
+    )

@@ -1,0 +1,290 @@
+"""Per-example clipping DP-SGD (`kdp.clipping`): clipped sums, noise, accounting, errors.
+
+Runs on whichever ``KERAS_BACKEND`` is set (CI runs it on TensorFlow and JAX).
+The reference for every clipped sum is a brute-force Python loop over the
+examples (one ordinary gradient per example, clipped by hand in NumPy); the
+accountant reference is dp-accounting called directly.
+"""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+
+from kdp import audit, clipping
+from kdp.autodiff import gradient
+from kdp.model import DP_Model, DP_Sequential, DPParameters
+from kdp.pipeline import DatasetMetadata
+
+N, BATCH = 200, 16
+SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _dense_model():
+    inputs = keras.Input((10,))
+    h = keras.layers.Dense(12, activation="tanh")(inputs)
+    seq = keras.layers.Reshape((4, 3))(h)
+    seq = keras.layers.Dense(5, activation="relu")(seq)    # sequence input, materialised (T²=16 > 3·5)
+    seq = keras.layers.Dense(16, use_bias=False)(seq)       # sequence input, Gram form (T²=16 <= 5·16)
+    out = keras.layers.Dense(3)(keras.layers.Flatten()(seq))
+    return inputs, out, np.random.default_rng(1).normal(size=(BATCH, 10)).astype("float32")
+
+
+def _conv_model():
+    inputs = keras.Input((8, 8, 2))
+    h = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+    h = keras.layers.MaxPooling2D()(h)
+    out = keras.layers.Dense(3)(keras.layers.Flatten()(h))
+    return inputs, out, np.random.default_rng(1).normal(size=(BATCH, 8, 8, 2)).astype("float32")
+
+
+def _embedding_model():
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(20, 8)(inputs)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Dense(6, activation="relu")(h)
+    out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    return inputs, out, np.random.default_rng(1).integers(0, 20, (BATCH, 5)).astype("int32")
+
+
+MODELS = {"dense": _dense_model, "conv2d": _conv_model, "embedding_layernorm": _embedding_model}
+
+
+def _build(kind, clipping_norm=1.0, mode="flat", sigma=1.0, physical_batch_size=None, seed=0):
+    inputs, outputs, x = MODELS[kind]()
+    params = DPParameters(noise_multiplier=sigma, delta=1e-3, reproducible=True, seed=seed,
+                          clipping_norm=clipping_norm, clipping=mode,
+                          physical_batch_size=physical_batch_size)
+    model = DP_Model(inputs, outputs, dp_parameters=params,
+                     dataset_metadata=DatasetMetadata(x.shape[1:], 3, N, BATCH))
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=SCCE)
+    y = np.random.default_rng(2).integers(0, 3, BATCH)
+    w = np.ones(BATCH, "float32")
+    w[-3:] = 0.0   # padding rows
+    w[0] = 0.5     # a fractional weight
+    return model, x, y, w
+
+
+def _brute_force(model, x, y, w, norms=None):
+    """Per-example gradients by a Python loop; returns (list of {path: g_i}, per-example norms)."""
+    trainable = model.trainable_variables
+    others = [v.value for v in model.non_trainable_variables]
+    per_example = []
+    for i in range(len(x)):
+        def loss_i(*values, i=i):
+            out, _ = model.stateless_call(list(values), others, x[i:i + 1], training=True)
+            return w[i] * keras.ops.sum(SCCE.call(y[i:i + 1], out))
+
+        grads = gradient(loss_i, *[v.value for v in trainable])
+        per_example.append({v.path: _dense(g) for v, g in zip(trainable, grads)})
+    return per_example
+
+
+def _dense(g):
+    if type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse embedding gradient
+        import tensorflow as tf
+
+        g = tf.convert_to_tensor(g)
+    return np.asarray(g, "float64")
+
+
+def _clip_by_hand(model, per_example, mode, c):
+    groups = clipping.clipping_groups(model) if mode == "per-layer" else {
+        None: [v.path for v in model.trainable_variables]}
+    c_l = c / math.sqrt(len(groups)) if mode == "per-layer" else c
+    total = {p: 0.0 for p in per_example[0]}
+    for g in per_example:
+        for paths in groups.values():
+            norm = math.sqrt(sum(float(np.sum(g[p] ** 2)) for p in paths))
+            scale = min(1.0, c_l / norm) if norm > 0 else 1.0
+            for p in paths:
+                total[p] = total[p] + scale * g[p]
+    return total
+
+
+def _median_norm(per_example):
+    return float(np.median([math.sqrt(sum(float(np.sum(v ** 2)) for v in g.values()))
+                            for g in per_example if any(np.any(v) for v in g.values())]))
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["flat", "per-layer"])
+def test_clipped_sum_matches_brute_force(kind, mode):
+    model, x, y, w = _build(kind, mode=mode)
+    per_example = _brute_force(model, x, y, w)
+    c = _median_norm(per_example)  # about half the examples are clipped
+    model.dp_parameters.clipping_norm = c
+    expected = _clip_by_hand(model, per_example, mode, c)
+    unclipped = {p: sum(g[p] for g in per_example) for p in expected}
+    for ghost in (True, False):
+        got = clipping.clipped_gradient_sum(model, x, y, w, ghost=ghost)
+        assert set(got) == set(expected)
+        for path in expected:
+            assert _rel_err(got[path], expected[path]) < 1e-5, (ghost, path)
+    # Negative control: clipping really happened, so the unclipped sum is far off.
+    assert max(_rel_err(unclipped[p], expected[p]) for p in expected) > 1e-2
+
+
+def test_padding_rows_contribute_nothing():
+    model, x, y, w = _build("dense")
+    got = clipping.clipped_gradient_sum(model, x, y, w)
+    x2 = x.copy()
+    x2[w == 0] = 1e3 * np.random.default_rng(5).normal(size=x2[w == 0].shape)  # garbage padding
+    again = clipping.clipped_gradient_sum(model, x2, y, w)
+    for p in got:
+        np.testing.assert_allclose(np.asarray(again[p]), np.asarray(got[p]), rtol=1e-6, atol=1e-7)
+
+
+def test_virtual_batches_equal_one_batch():
+    model, x, y, w = _build("conv2d", clipping_norm=0.5, physical_batch_size=5)  # 16 = 5+5+5+1 (padded)
+    whole = clipping.clipped_gradient_sum(model, x, y, w)
+    chunked = clipping._chunked_sum(model, keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y),
+                                    keras.ops.convert_to_tensor(w), 5)
+    for p in whole:
+        assert _rel_err(chunked[p], whole[p]) < 1e-5
+
+
+def _objective_gradient(model, x, y, w):
+    """∇ of the real training objective (`stateless_compute_loss`, training=True)."""
+    y_pred = model(x)
+    others = [v.value for v in model.non_trainable_variables]
+    metrics = [v.value for v in model.metrics_variables]
+
+    def objective(*values):
+        loss, _ = model.stateless_compute_loss(list(values), others, metrics, x=x, y=y, y_pred=y_pred,
+                                               sample_weight=w, training=True)
+        return loss
+
+    return gradient(objective, *[v.value for v in model.trainable_variables])
+
+
+@pytest.mark.parametrize("physical_batch_size", [None, 6])
+def test_training_objective_gradient_is_clipped_sum_plus_noise(physical_batch_size):
+    """Same seed state: ∇objective(w) − ∇objective(0) = ḡ / b exactly (the noise cancels)."""
+    model, x, y, w = _build("dense", clipping_norm=0.3, physical_batch_size=physical_batch_size)
+    model(x)
+    with_data = _objective_gradient(model, x, y, w)
+    noise_only = _objective_gradient(model, x, y, np.zeros_like(w))
+    expected = clipping.clipped_gradient_sum(model, x, y, w)
+    for v, g1, g0 in zip(model.trainable_variables, with_data, noise_only):
+        assert np.std(np.asarray(g0)) > 0  # there is noise
+        assert _rel_err(np.asarray(g1) - np.asarray(g0), np.asarray(expected[v.path]) / BATCH) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["flat", "per-layer"])
+def test_noise_std_is_sigma_c_over_b(mode):
+    sigma, c = 1.3, 0.7
+    model, x, y, _ = _build("dense", clipping_norm=c, mode=mode, sigma=sigma)
+    expected = sigma * c / BATCH
+    assert all(s == pytest.approx(expected) for s in model.noise_stds().values())
+    draws = audit.noise_draws(model, x, y, trials=100)  # ~43k draws: std error 0.35 %
+    everything = np.concatenate([d.reshape(-1) for d in draws.values()])
+    assert everything.size > 40_000
+    assert abs(np.std(everything) / expected - 1) < 0.03
+    assert abs(np.mean(everything)) < 0.03 * expected
+    # Negative control: a 10 % error in the calibration would be detected.
+    assert abs(np.std(everything) / (1.10 * expected) - 1) > 0.03
+    # Consecutive draws differ (the seed generator moves).
+    first = next(iter(draws.values()))
+    assert not np.allclose(first[0], first[1])
+
+
+def test_fit_trains_and_accounts_like_dp_accounting():
+    sigma, delta = 1.1, 1e-3
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 10)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
+    model = DP_Sequential(
+        [keras.Input((10,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)],
+        dp_parameters=DPParameters(noise_multiplier=sigma, delta=delta, clipping_norm=1.0),
+        dataset_metadata=DatasetMetadata((10,), 3, N, BATCH),
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=SCCE)
+    before = [np.array(v) for v in model.trainable_variables]
+    model.fit(x, y, epochs=2, verbose=0)
+    assert any(not np.allclose(b, np.array(v)) for b, v in zip(before, model.trainable_variables))
+    steps = 2 * math.ceil(N / BATCH)
+    assert model.privacy_ledger.training_steps() == steps
+    assert model.effective_noise_multiplier() == sigma
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(BATCH / N, dp_accounting.GaussianDpEvent(sigma)), steps))
+    eps, d = model.privacy_spent()
+    assert d == delta
+    assert eps == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
+    # Negative control: another σ gives another ε.
+    assert abs(eps - dp_accounting.rdp.RdpAccountant().compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(BATCH / N, dp_accounting.GaussianDpEvent(1.2 * sigma)),
+        steps)).get_epsilon(delta)) > 0.01
+
+
+def test_fit_with_virtual_batches_is_one_step_per_poisson_batch():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 10)).astype("float32")
+    y = rng.integers(0, 3, N).astype("int32")
+    model = DP_Sequential(
+        [keras.Input((10,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)],
+        dp_parameters=DPParameters(noise_multiplier=1.0, delta=1e-3, clipping_norm=1.0,
+                                   physical_batch_size=16),  # padded Poisson batch of 48 rows: 3 chunks
+        dataset_metadata=DatasetMetadata((10,), 3, N, BATCH),
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
+    model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)
+    assert model.privacy_ledger.training_steps() == 3
+    assert all(np.all(np.isfinite(np.array(v))) for v in model.trainable_variables)
+
+
+def _dp_sequential(layers, **params):
+    model = DP_Sequential(layers, dp_parameters=DPParameters(delta=1e-3, clipping_norm=1.0, **params),
+                          dataset_metadata=DatasetMetadata((6,), 3, N, BATCH))
+    model.compile(optimizer="sgd", loss=SCCE)
+    return model
+
+
+def test_batchnorm_is_refused_and_frozen_batchnorm_warns():
+    bn = keras.layers.BatchNormalization()
+    model = _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), bn, keras.layers.Dense(3)])
+    with pytest.raises(clipping.ClippingError, match="BatchNormalization mixes the examples"):
+        model.check_dp()
+    bn.trainable = False
+    with pytest.warns(UserWarning, match="frozen BatchNormalization"):
+        model.check_dp()
+
+
+def test_other_errors():
+    drop = _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5),
+                           keras.layers.Dense(3)])
+    with pytest.raises(clipping.ClippingError, match="stochastic"):
+        drop.check_dp()
+    model = DP_Sequential([keras.Input((6,)), keras.layers.Dense(3)],
+                          dp_parameters=DPParameters(delta=1e-3, clipping_norm=1.0),
+                          dataset_metadata=DatasetMetadata((6,), 3, N, BATCH))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(clipping.ClippingError, match="keras.losses.Loss instance"):
+        model.check_dp()
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        DPParameters(clipping_norm=1.0, clipping="per-example")
+    with pytest.raises(ValueError, match="clipping_norm must be finite"):
+        DPParameters(clipping_norm=-1.0)
+    with pytest.raises(ValueError, match="needs clipping='per-layer'"):
+        DPParameters(clipping_norm={"dense": 1.0})
+    bad = _dp_sequential([keras.Input((6,)), keras.layers.Dense(3, name="head")],
+                         clipping="per-layer")
+    bad.dp_parameters.clipping_norm = {"nope": 1.0}
+    with pytest.raises(clipping.ClippingError, match="missing"):
+        bad.check_dp()
+
+
+def test_config_round_trip():
+    params = DPParameters(noise_multiplier=2.0, clipping_norm={"a": 1.0, "b": 2.0}, clipping="per-layer",
+                          physical_batch_size=64)
+    again = DPParameters.from_config(params.get_config())
+    assert again.get_config() == params.get_config()
+    assert clipping.total_clipping_norm(again) == pytest.approx(math.sqrt(5.0))
