@@ -187,7 +187,7 @@ def _restore(model, snapshot, seed_paths):
         v.assign(w)
 
 
-def membership_audit(model, canary_x, canary_y, trials=200, confidence=0.95, seed=0):
+def membership_audit(model, canary_x, canary_y, trials=400, confidence=0.95, seed=0):
     """White-box audit of one noisy step with a gradient canary (Nasr et al. 2021).
 
     Each trial restores the same weights and optimizer state and runs one real
@@ -222,7 +222,7 @@ def membership_audit(model, canary_x, canary_y, trials=200, confidence=0.95, see
         scores[t] = -np.dot(after - before, direction)
     _restore(model, snapshot, seed_paths)
     half = trials // 2
-    threshold = _best_threshold(scores[:half], membership[:half], model.dp_parameters.delta)
+    threshold = _best_threshold(scores[:half], membership[:half], model.dp_parameters.delta, confidence)
     s, m = scores[half:], membership[half:]
     guess = s > threshold
     tp, fp = int(np.sum(guess & (m == 1))), int(np.sum(guess & (m == 0)))
@@ -251,14 +251,15 @@ def _canary_direction(model, x, y):
     return flat / max(np.linalg.norm(flat), 1e-30)
 
 
-def _best_threshold(scores, membership, delta):
+def _best_threshold(scores, membership, delta, confidence):
+    """The threshold whose ε lower bound (same confidence) is largest on these trials."""
     best, best_eps = np.inf, -np.inf
     pos, neg = int(np.sum(membership == 1)), int(np.sum(membership == 0))
     for threshold in np.unique(scores):
         guess = scores > threshold
         tp = int(np.sum(guess & (membership == 1)))
         fp = int(np.sum(guess & (membership == 0)))
-        eps = epsilon_lower_bound(tp, pos, fp, neg, delta, 0.5)
+        eps = epsilon_lower_bound(tp, pos, fp, neg, delta, confidence)
         if eps > best_eps:
             best, best_eps = threshold, eps
     return best
