@@ -1,8 +1,4 @@
-"""Writes ``notebooks/08_dpcl.ipynb`` (outputs stripped): ``python -m kdp.dpcl._build_notebook``.
-
-(Kept here because ``notebooks/build_notebooks.py`` belongs to another change;
-move these cells there when merging.)
-"""
+"""Writes ``notebooks/08_dpcl.ipynb`` (outputs stripped): ``python notebooks/build_08_dpcl.py``."""
 
 import os
 
@@ -144,7 +140,7 @@ def main():
     nb.metadata["language_info"] = {"name": "python"}
     nbformat.validate(nb)
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "notebooks", "08_dpcl.ipynb")
+    path = os.path.join(here, "08_dpcl.ipynb")
     with open(path, "w", encoding="utf-8") as f:
         nbformat.write(nb, f)
     print("wrote", os.path.normpath(path))
