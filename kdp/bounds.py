@@ -9,11 +9,25 @@ per-example units: nothing here is divided by the batch size).
 Works on `keras.Sequential` stacks, functional graphs (fan-out sums the cotangent
 bounds of the branches; a layer used twice sums its parameter bounds) and nested
 models, and refuses any layer without the protocol, naming it.
+
+Bounds are Python floats, except inside a traced function (the training step)
+downstream of a `DP_ClipGradient`: its threshold is a variable (adaptive clipping
+changes it between steps without recompiling), so there ``min(G, C)`` is a
+backend tensor, and so is every bound the backward pass derives from it. Run
+eagerly, the same pass gives floats (the current threshold). Layers combine
+bounds with ``+`` and ``*`` (which work on both); anything else (a square root,
+a minimum) goes through `bound_sqrt` / `bound_min` or `keras.ops`.
 """
 
+import contextlib
+import math
+import numbers
+
 import keras
+from keras import ops
 
 from kdp.layers.base import DPLayer
+from kdp.layers.clip import DP_ClipGradient
 
 
 class BoundError(ValueError):
@@ -37,6 +51,36 @@ def _check(op):
         "BatchNormalization, no Dropout) or implement propagate_inputs / "
         "backpropagate_inputs / backpropagate_params."
     )
+
+
+def is_float_bound(bound):
+    """True for a plain Python/NumPy number (not a backend tensor)."""
+    return isinstance(bound, numbers.Real)
+
+
+def bound_sqrt(bound):
+    """``√bound`` for a float (``math.sqrt``) or a tensor (``keras.ops.sqrt``)."""
+    return math.sqrt(bound) if is_float_bound(bound) else ops.sqrt(bound)
+
+
+def bound_min(a, b):
+    """``min(a, b)`` for floats, ``keras.ops.minimum`` when either is a tensor."""
+    return min(a, b) if is_float_bound(a) and is_float_bound(b) else ops.minimum(a, b)
+
+
+# In a Jacobian pass (`lipschitz_constant`) a `DP_ClipGradient` is the identity:
+# it bounds loss cotangents, not the input-output Lipschitz constant.
+_JACOBIAN_PASS = [False]
+
+
+@contextlib.contextmanager
+def _jacobian_pass():
+    saved = _JACOBIAN_PASS[0]
+    _JACOBIAN_PASS[0] = True
+    try:
+        yield
+    finally:
+        _JACOBIAN_PASS[0] = saved
 
 
 def _add_params(total, new):
@@ -66,6 +110,8 @@ def backpropagate(module, input_bound, gradient_bound):
     if _is_functional(module):
         return _graph_backward(module, input_bound, gradient_bound)
     if isinstance(module, keras.layers.InputLayer):
+        return gradient_bound, {}
+    if _JACOBIAN_PASS[0] and isinstance(module, DP_ClipGradient):
         return gradient_bound, {}
     return (
         module.backpropagate_inputs(input_bound, gradient_bound),
@@ -158,6 +204,11 @@ def compute_gradient_bounds(model, loss=None, input_bound=None):
     Returns:
         ``{variable.path: bound}``: for every example ``i``,
         ``‖∇_v ℓ(f(x_i), y_i)‖₂ ≤ bound`` (Béthune et al. 2024, Alg. 1).
+        Bounds are Python floats when called eagerly. Called inside a traced
+        function (``tf.function``, ``jax.jit``: the training step), the bound
+        of a variable whose gradient flows through a `DP_ClipGradient` is a
+        scalar tensor computed from the layer's threshold variable, so the
+        noise follows the threshold without recompiling.
 
     Raises:
         BoundError: a layer without the protocol, a loss without ``get_L()``, a
@@ -194,6 +245,10 @@ def _ensure_input_bound(model, input_bound):
 
 
 def lipschitz_constant(model):
-    """Upper bound on the L2 Lipschitz constant of ``model`` (input -> output)."""
-    g_in, _ = backpropagate(model, 1.0, 1.0)
+    """Upper bound on the L2 Lipschitz constant of ``model`` (input -> output).
+
+    `DP_ClipGradient` layers count as the identity they are in the forward pass
+    (their threshold bounds loss cotangents only, not the Jacobian)."""
+    with _jacobian_pass():
+        g_in, _ = backpropagate(model, 1.0, 1.0)
     return g_in
