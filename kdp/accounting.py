@@ -79,6 +79,64 @@ def training_event(noise_multiplier, sampling_rate, steps, sampling="poisson", s
     raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
 
 
+def quantile_event(noise_multiplier, sampling_rate, count=1):
+    """The `DpEvent` of ``count`` private quantile releases (Andrew et al. 2021).
+
+    Each release counts, on a Poisson sample of rate ``sampling_rate``, the
+    examples whose norm is at most the threshold (sensitivity 1 under
+    add/remove-one) and adds ``N(0, noise_multiplier²)``:
+    ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_q))``, self-composed ``count`` times.
+    """
+    _check_positive(noise_multiplier=noise_multiplier)
+    if not 0 < sampling_rate <= 1:
+        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+    count = int(count)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if count == 0:
+        return dp_accounting.NoOpDpEvent()
+    release = dp_accounting.PoissonSampledDpEvent(
+        sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
+    return dp_accounting.SelfComposedDpEvent(release, count)
+
+
+# --- planned releases -------------------------------------------------------------
+# Mechanisms that run *alongside* training (adaptive clipping's quantile releases)
+# register a plan on the model, so that budgets computed before or at the start
+# of `fit` (`get_max_epochs`, `max_steps`, `DP_Accountant(epsilon_max=...)`)
+# include their future cost. A plan is an object with
+# ``planned_events(steps, steps_per_epoch) -> [DpEvent]``: the releases it will
+# make during the next ``steps`` training steps (those already made are in the
+# ledger).
+
+def register_release_plan(model, plan):
+    """Make ``plan``'s future releases part of ``model``'s budget computations."""
+    plans = model.__dict__.setdefault("_kdp_release_plans", {})
+    plans[id(plan)] = plan
+
+
+def unregister_release_plan(model, plan):
+    model.__dict__.get("_kdp_release_plans", {}).pop(id(plan), None)
+
+
+def planned_events(model, steps, steps_per_epoch=None):
+    """The events of every plan registered on ``model`` for ``steps`` more steps."""
+    if steps_per_epoch is None:
+        steps_per_epoch = model.privacy_spec()["steps_per_epoch"]
+    events = []
+    for plan in model.__dict__.get("_kdp_release_plans", {}).values():
+        events.extend(plan.planned_events(int(steps), int(steps_per_epoch)))
+    return events
+
+
+def planned_events_fn(model, steps_per_epoch=None):
+    """``steps -> planned_events(model, steps)``, or ``None`` without any plan
+    (the ``planned`` argument of `max_steps`)."""
+    if not model.__dict__.get("_kdp_release_plans"):
+        return None
+    return lambda steps: planned_events(model, steps, steps_per_epoch)
+
+
 def _accountant(accountant):
     if accountant == "rdp":
         return dp_accounting.rdp.RdpAccountant()
@@ -138,16 +196,22 @@ def compute_epsilon(noise_multiplier, sampling_rate, steps, delta, accountant="r
 
 
 def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, accountant="rdp",
-                               sampling="poisson", steps_per_epoch=None):
+                               sampling="poisson", steps_per_epoch=None, extra_events=()):
     """Smallest σ (to 1e-4) whose ``steps`` steps cost at most ``target_epsilon`` at ``delta``.
+
+    ``extra_events``: other releases composed with the training (e.g. the
+    `quantile_event` of adaptive clipping, or ``model.privacy_ledger.events()``).
 
     With ``accountant="pld"`` the search is bracketed by the RDP answer (RDP is
     never tighter than PLD), which keeps PLD away from tiny σ, where it is slow.
     """
     _check_positive(target_epsilon=target_epsilon)
 
+    extra_events = list(extra_events)
+
     def event(s):
-        return training_event(s, sampling_rate, steps, sampling, steps_per_epoch)
+        train = training_event(s, sampling_rate, steps, sampling, steps_per_epoch)
+        return dp_accounting.ComposedDpEvent(extra_events + [train]) if extra_events else train
 
     bracket = dp_accounting.LowerEndpointAndGuess(1e-2, 1.0)
     if accountant == "pld":
@@ -163,15 +227,18 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
 
 
 def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="rdp",
-              sampling="poisson", steps_per_epoch=None, spent_events=(), unit=1):
+              sampling="poisson", steps_per_epoch=None, spent_events=(), unit=1, planned=None):
     """Largest ``n`` (a multiple of ``unit`` steps) with ε(spent + n steps) ≤ epsilon_max.
 
+    ``planned``: optional ``n -> [DpEvent]``, the other releases that ``n`` more
+    steps bring along (non-decreasing in ``n``; `planned_events_fn`), composed in.
     Bisection on the non-decreasing ε(n); returns 0 if even one unit exceeds it.
     """
     _check_positive(epsilon_max=epsilon_max)
     def eps(units):
         event = training_event(noise_multiplier, sampling_rate, units * unit, sampling, steps_per_epoch)
-        return epsilon_of_events(list(spent_events) + [event], delta, accountant)
+        extra = list(planned(units * unit)) if planned is not None else []
+        return epsilon_of_events(list(spent_events) + extra + [event], delta, accountant)
 
     if eps(0) > epsilon_max:
         return 0
@@ -193,17 +260,24 @@ def get_eps_delta(model, epochs, accountant="rdp"):
     steps = int(epochs) * spec["steps_per_epoch"]
     event = training_event(spec["noise_multiplier"], spec["sampling_rate"], steps,
                            spec["sampling"], spec["steps_per_epoch"])
-    eps = epsilon_of_events(model.privacy_ledger.events() + [event], spec["delta"], accountant)
+    planned = planned_events(model, steps, spec["steps_per_epoch"])  # e.g. adaptive clipping
+    eps = epsilon_of_events(model.privacy_ledger.events() + planned + [event], spec["delta"],
+                            accountant)
     return eps, spec["delta"]
 
 
 def get_max_epochs(epsilon_max, model, accountant="rdp"):
-    """Largest number of further epochs ``e`` with ε(e) ≤ epsilon_max < ε(e + 1)."""
+    """Largest number of further epochs ``e`` with ε(e) ≤ epsilon_max < ε(e + 1).
+
+    ε(e) includes the releases planned alongside training by callbacks registered
+    on the model (`register_release_plan`; e.g. `AdaptiveQuantileClipping`, which
+    registers itself in ``set_model``: call ``callback.set_model(model)`` before
+    this if the callback is not attached yet)."""
     spec = model.privacy_spec()
     steps = max_steps(
         epsilon_max, spec["noise_multiplier"], spec["sampling_rate"], spec["delta"], accountant,
         spec["sampling"], spec["steps_per_epoch"], model.privacy_ledger.events(),
-        unit=spec["steps_per_epoch"],
+        unit=spec["steps_per_epoch"], planned=planned_events_fn(model, spec["steps_per_epoch"]),
     )
     return steps // spec["steps_per_epoch"]
 

@@ -5,6 +5,7 @@ import logging
 import keras
 
 from kdp import accounting
+from kdp.adaptive_clipping import AdaptiveQuantileClipping  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("kdp")
 
@@ -47,6 +48,7 @@ class DP_Accountant(keras.callbacks.Callback):
             self.epsilon_max, spec["noise_multiplier"], spec["sampling_rate"], spec["delta"],
             self.accountant, spec["sampling"], spec["steps_per_epoch"],
             self.model.privacy_ledger.events(),
+            planned=accounting.planned_events_fn(self.model),  # e.g. adaptive clipping
         )
         if self._allowed_steps == 0:
             raise RuntimeError(
@@ -72,3 +74,32 @@ class DP_Accountant(keras.callbacks.Callback):
         eps = self._epsilon(logs)
         if self.log_fn == "logging":
             logger.info("epoch %d: epsilon=%.4f delta=%g", epoch + 1, eps, self.model.dp_parameters.delta)
+
+
+class PrivacyJournal(keras.callbacks.Callback):
+    """Makes `fit` write the privacy ledger ahead to a durable file.
+
+    Pass it to `fit` next to your own checkpointing (`ModelCheckpoint`, a custom
+    saver). Before every step, `fit` records the step in the model's ledger and
+    writes the whole ledger to ``path`` (atomic replace + fsync); when training
+    starts, it merges the file into the model's ledger. A run killed at any
+    instant and restarted from any checkpoint therefore counts every step that
+    ran, including those of the interrupted epoch. Use one journal per model
+    lineage and training set; a journal of another training on the same data
+    adds up (conservative).
+
+    With `keras.callbacks.BackupAndRestore` no journal needs to be passed: `fit`
+    keeps one in its ``backup_dir`` (file `FILENAME`), deleted with the backup
+    when training completes.
+
+    Args:
+        path: the journal file (JSON), e.g. ``"run/privacy_ledger.json"``.
+    """
+
+    FILENAME = "kdp_privacy_ledger.json"
+
+    def __init__(self, path):
+        super().__init__()
+        from kdp.ledger import LedgerJournal
+
+        self.journal = LedgerJournal(path)
