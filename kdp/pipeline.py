@@ -92,14 +92,19 @@ class PoissonBatches(keras.utils.PyDataset):
         steps_per_epoch: defaults to ``⌈N/b⌉``.
         seed: ``None`` (default) draws from the OS entropy; an int makes the
             sampling reproducible (for tests only).
+        multiple_of: round the padded size up to a multiple of this (the number
+            of data-parallel replicas, which shard the global batch evenly).
+            The sampling rate stays the global ``b/N``.
     """
 
-    def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None):
+    def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None,
+                 multiple_of=1):
         super().__init__()
         self.x, self.y = x, y
         self.nb_samples = len(x)
         self.sampling_rate = batch_size / self.nb_samples
-        self.capacity = poisson_capacity(batch_size, self.nb_samples)
+        multiple_of = max(1, int(multiple_of))
+        self.capacity = -(-poisson_capacity(batch_size, self.nb_samples) // multiple_of) * multiple_of
         self.sample_weight = (
             np.ones(self.nb_samples, dtype="float32") if sample_weight is None
             else np.asarray(sample_weight, dtype="float32")

@@ -1,0 +1,142 @@
+"""Data-parallel DP training: the backend-specific facts, in one place.
+
+kdp trains on the distribution engines Keras already has; this module only
+answers the two questions whose answer depends on the engine.
+
+* **JAX** (`keras.distribution.DataParallel`, or any distribution with a batch
+  axis): the train step is *one* SPMD program over the global batch. The batch
+  is sharded along the ``batch`` mesh axis, the variables (the noise seed
+  included) are replicated, and ``compute_loss`` sees the global batch. The
+  objective ``Σ w_i ℓ_i / b + Σ_v ⟨v − sg(v), ξ_v⟩`` is then exactly the
+  single-device one: one draw of ξ per step, nothing to correct.
+* **TensorFlow** (`tf.distribute.MirroredStrategy`): Keras runs ``train_step``
+  once per replica on its shard of the global batch, and the optimizer
+  **sums** the replicas' gradients (``all_reduce(SUM)`` in
+  `keras/src/backend/tensorflow/optimizer.py`). Keras' own losses are scaled by
+  ``1/R`` for that reason; kdp's objective divides by the *global* expected
+  batch ``b`` instead, so the data term sums to ``Σ_all w_i ∇ℓ_i / b`` as it
+  should. The noise seed is a mirrored variable: every replica draws the
+  **same** ξ, and the sum would carry ``R·ξ`` (std ``R`` times too large); with
+  independent seeds it would carry std ``√R`` times too large. So only replica
+  0 keeps its draw (`noise_share`): the reduced gradient carries exactly one
+  calibrated draw. Data-independent terms (regularization losses) are weighted
+  the same way so that they too are counted once.
+
+Sampling is unchanged: Poisson sampling at the global rate ``q = b/N`` makes
+the global batch, padded to a static size divisible by `num_replicas`, and the
+engine shards it.
+"""
+
+import keras
+
+
+def num_replicas(model=None):
+    """How many data-parallel replicas share one global batch (1 without distribution).
+
+    JAX: the size of the batch axis of the mesh of the current
+    `keras.distribution` distribution. TensorFlow: ``num_replicas_in_sync`` of
+    the model's strategy (the strategy whose scope created it), else of the
+    current one.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        distribution = keras.distribution.distribution()
+        if distribution is None:
+            return 1
+        mesh = distribution.device_mesh
+        axis = getattr(distribution, "batch_dim_name", None)
+        if axis in mesh.axis_names:
+            return int(mesh.shape[mesh.axis_names.index(axis)])
+        return 1
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+        return int(strategy.num_replicas_in_sync)
+    return 1
+
+
+def noise_share():
+    """The weight of this replica's copy of a replicated term (noise, regularizers).
+
+    The gradients of the replicas are summed, so a term every replica computes
+    identically must count on one replica only: ``1`` on replica 0, ``0`` on
+    the others, under `tf.distribute`; ``1`` everywhere else (one device, or
+    one SPMD program under JAX). Returns a Python float or a scalar tensor.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return 1.0
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return 1.0
+    return tf.cast(tf.equal(context.replica_id_in_sync_group, 0), "float32")
+
+
+def replica_values(variable):
+    """The copies of ``variable`` held by each device, as NumPy arrays.
+
+    One array without distribution; under JAX one per addressable shard of the
+    (replicated) array; under `tf.distribute` one per mirrored component.
+    Used to check that the replicas agree.
+    """
+    import numpy as np
+
+    value = getattr(variable, "value", variable)
+    if keras.backend.backend() == "jax" and hasattr(value, "addressable_shards"):
+        return [np.asarray(shard.data) for shard in value.addressable_shards]
+    components = getattr(value, "values", None)
+    if components is not None and not callable(components):
+        return [np.asarray(c) for c in components]
+    return [np.asarray(value)]
+
+
+
+
+
+def sharded_train_on_batch(model, x, y=None, sample_weight=None, return_dict=False):
+    """``train_on_batch`` with the batch sharded over `tf.distribute` replicas.
+
+    Keras' TensorFlow ``train_on_batch`` hands the *whole* batch to every
+    replica (``strategy.run`` with plain tensors) and then sums the replicas'
+    gradients: each example would count ``R`` times against one noise draw.
+    (`fit` does not have this problem: its distributed dataset shards the
+    batch.) This pads the batch with zero-weight rows to a multiple of ``R``,
+    gives row block ``r`` to replica ``r`` and runs Keras' train function.
+
+    Returns ``None`` when there is nothing to shard (one replica, or JAX, whose
+    ``train_on_batch`` already shards the global batch): the caller then runs
+    Keras' own ``train_on_batch``.
+    """
+    replicas = num_replicas(model)
+    if keras.backend.backend() != "tensorflow" or replicas == 1:
+        return None
+    import numpy as np
+    import tensorflow as tf
+    from keras import tree
+    from keras.src.utils.python_utils import pythonify_logs
+
+    rows = len(tree.flatten(x)[0])
+    if sample_weight is None:
+        sample_weight = np.ones(rows, "float32")
+    pad = (-rows) % replicas
+    size = (rows + pad) // replicas
+    strategy = model.distribute_strategy
+
+    def shard(t):
+        t = np.asarray(t)
+        if pad:
+            t = np.concatenate([t, np.zeros((pad,) + t.shape[1:], t.dtype)])
+        return strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(t[context.replica_id_in_sync_group * size:
+                                          (context.replica_id_in_sync_group + 1) * size]))
+
+    model._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+    model.make_train_function()
+    model.reset_metrics()
+    data = tree.map_structure(shard, (x, y, sample_weight))
+    logs = pythonify_logs(model.train_function(iter([data])))
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
+
+__all__ = ["noise_share", "num_replicas", "replica_values", "sharded_train_on_batch"]
