@@ -29,9 +29,9 @@ BATCHES = (256, 1024, 4096)
 def child(kind, batch, steps):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import resource
-    import time
 
     import keras
+    from _timing import StepTimer
     import numpy as np
 
     import kdp
@@ -59,20 +59,11 @@ def child(kind, batch, steps):
         )
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses.DP_TauCategoricalCrossentropy(1.0))
         fit = {}
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, b, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, b, logs=None):
-            times.append(time.perf_counter() - self.t)
-
     model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0, **fit)  # compile
-    times.clear()
-    model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Timer()], **fit)
+    timer = StepTimer()
+    model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer], **fit)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"time": float(np.median(times)), "peak_mb": peak / 1024, "base_mb": base / 1024}))
+    print(json.dumps({"time": timer.median(), "peak_mb": peak / 1024, "base_mb": base / 1024}))
 
 
 def main():

@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 BATCHES = (256, 1024, 4096)
 KINDS = ("keras", "clipless", "clipping")
@@ -84,7 +83,7 @@ def child(model_name, kind, batch, steps):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import resource
 
-    import keras
+    from _timing import StepTimer
     import numpy as np
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -94,20 +93,11 @@ def child(model_name, kind, batch, steps):
     x = rng.random((n,) + shape, dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
     fit = dict(batch_size=batch, shuffle=True) if kind == "keras" else {}
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, b, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, b, logs=None):
-            times.append(time.perf_counter() - self.t)
-
     model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, **fit)  # compile + warm-up
-    times.clear()
-    model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Timer()], **fit)
+    timer = StepTimer()
+    model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer], **fit)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"time": float(np.median(times)), "peak_mb": (peak - base) / 1024}))
+    print(json.dumps({"time": timer.median(), "peak_mb": (peak - base) / 1024}))
 
 
 def speed(args):

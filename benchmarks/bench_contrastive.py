@@ -32,7 +32,6 @@ def _rss_mb():
 
 
 def run_one(strategy, n, reps):
-    import math
 
     import keras
     import numpy as np

@@ -37,9 +37,9 @@ def child(backend, devices, batch, steps):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
     import contextlib
-    import time
 
     import keras
+    from _timing import StepTimer
     import numpy as np
 
     import kdp
@@ -65,15 +65,6 @@ def child(backend, devices, batch, steps):
     rng = np.random.default_rng(0)
     x = rng.random((n, 784), dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t0)
-
     with scope:
         model = kdp.DP_Sequential(
             [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2),
@@ -83,10 +74,10 @@ def child(backend, devices, batch, steps):
         )
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses.DP_TauCategoricalCrossentropy(1.0))
         model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)  # compile
-        timer = Timer()
+        timer = StepTimer()
         model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
         replicas = kdp.distribute.num_replicas(model)
-    step = float(np.median(times))
+    step = timer.median()
     print("RESULT " + json.dumps({"backend": backend, "devices": devices, "replicas": replicas,
                                   "engine": kind, "batch": batch, "step_ms": 1e3 * step,
                                   "steps_per_s": 1.0 / step}))

@@ -56,19 +56,12 @@ def training_event(noise_multiplier, sampling_rate, steps, sampling="poisson", s
             one pass over the data (``⌊N/b⌋``); the ``steps`` must be contiguous
             (one run of ``fit``), and a started pass counts whole.
     """
+    if sampling == "poisson":
+        return _poisson_gaussian(noise_multiplier, sampling_rate, steps, "steps")
     _check_positive(noise_multiplier=noise_multiplier)
-    if not 0 < sampling_rate <= 1:
-        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
-    steps = int(steps)
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
+    steps = _check_count(steps, "steps")
     if steps == 0:
         return dp_accounting.NoOpDpEvent()
-    if sampling == "poisson":
-        step = dp_accounting.PoissonSampledDpEvent(
-            sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
-        )
-        return dp_accounting.SelfComposedDpEvent(step, steps)
     if sampling == "shuffle":
         if not steps_per_epoch:
             raise ValueError("sampling='shuffle' needs steps_per_epoch")
@@ -87,12 +80,22 @@ def quantile_event(noise_multiplier, sampling_rate, count=1):
     add/remove-one) and adds ``N(0, noise_multiplier²)``:
     ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_q))``, self-composed ``count`` times.
     """
+    return _poisson_gaussian(noise_multiplier, sampling_rate, count, "count")
+
+
+def _check_count(count, name):
+    count = int(count)
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {count}")
+    return count
+
+
+def _poisson_gaussian(noise_multiplier, sampling_rate, count, name):
+    """``count`` self-composed ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``."""
     _check_positive(noise_multiplier=noise_multiplier)
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
-    count = int(count)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+    count = _check_count(count, name)
     if count == 0:
         return dp_accounting.NoOpDpEvent()
     release = dp_accounting.PoissonSampledDpEvent(

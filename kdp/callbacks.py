@@ -5,7 +5,7 @@ import logging
 import keras
 
 from kdp import accounting
-from kdp.adaptive_clipping import AdaptiveQuantileClipping  # noqa: F401  (re-exported)
+from kdp.adaptive_clipping import AdaptiveQuantileClipping
 
 logger = logging.getLogger("kdp")
 
@@ -103,3 +103,5 @@ class PrivacyJournal(keras.callbacks.Callback):
         from kdp.ledger import LedgerJournal
 
         self.journal = LedgerJournal(path)
+
+__all__ = ["DP_Accountant", "PrivacyJournal", "AdaptiveQuantileClipping"]

@@ -196,4 +196,13 @@ def bound_normalize():
 
     return fn, 1.0
 
-from kdp.datasets import load_breast_cancer, load_cifar10, load_dataset, load_digits, load_fashion_mnist, load_mnist  # noqa: E402,F401
+# The loaders live in kdp.datasets; kdp.pipeline re-exports them (lip-dp's layout).
+from kdp.datasets import (  # noqa: E402
+    load_breast_cancer, load_cifar10, load_dataset, load_digits, load_fashion_mnist, load_mnist,
+)
+
+__all__ = [
+    "DatasetMetadata", "PoissonBatches", "ShuffledBatches", "poisson_capacity", "bound_clip_value",
+    "bound_normalize", "load_breast_cancer", "load_cifar10", "load_dataset", "load_digits",
+    "load_fashion_mnist", "load_mnist",
+]

@@ -134,8 +134,6 @@ def _worker():
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    batch_sizes = []
-
     class Snapshots(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()

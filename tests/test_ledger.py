@@ -9,7 +9,6 @@ Runs on whichever ``KERAS_BACKEND`` is set (the subprocess inherits it).
 """
 
 import json
-import math
 import os
 import subprocess
 import sys

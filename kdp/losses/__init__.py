@@ -11,8 +11,12 @@ from kdp.losses.supervised import (
     DP_TauCategoricalCrossentropy,
 )
 
+# Contrastive losses have a batch-level sensitivity, not a per-example get_L():
+# train them with kdp.contrastive.
+from kdp.losses.contrastive import DP_InfoNCE, DP_Spreadout
+
 __all__ = [
     "DPLoss", "DP_KCosineSimilarity", "DP_MeanAbsoluteError", "DP_MulticlassHinge",
     "DP_MulticlassHKR", "DP_MulticlassKR", "DP_TauBCE", "DP_TauCategoricalCrossentropy",
+    "DP_InfoNCE", "DP_Spreadout",
 ]
-from kdp.losses.contrastive import DP_InfoNCE, DP_Spreadout  # noqa: E402,F401  (contrastive: batch-level sensitivity, no get_L)
