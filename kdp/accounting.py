@@ -219,7 +219,7 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
     bracket = dp_accounting.LowerEndpointAndGuess(1e-2, 1.0)
     if accountant == "pld":
         hi = calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, "rdp",
-                                        sampling, steps_per_epoch)
+                                        sampling, steps_per_epoch, extra_events)
         lo = hi / 2
         while lo > 1e-3 and epsilon_of_events([event(lo)], delta, "pld") <= target_epsilon:
             lo /= 2
@@ -267,6 +267,28 @@ def get_eps_delta(model, epochs, accountant="rdp"):
     eps = epsilon_of_events(model.privacy_ledger.events() + planned + [event], spec["delta"],
                             accountant)
     return eps, spec["delta"]
+
+
+def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
+    """Set ``model.dp_parameters.noise_multiplier`` to the smallest σ with which
+    ``epochs`` more epochs (after the ledger, with the planned releases) cost at
+    most ``target_epsilon``; return it.
+
+    Unlike `calibrate_noise_multiplier`, this accounts for the noise strategy:
+    with ``"per-layer"`` noise a step is one Gaussian of ``σ_eff = r·σ``
+    (``r = (Σ_v c_v^-2)^(-1/2)``, public), so σ is the calibrated ``σ_eff / r``.
+    The model must be built.
+    """
+    spec = model.privacy_spec()
+    ratio = spec["noise_multiplier"] / model.dp_parameters.noise_multiplier
+    steps = int(epochs) * spec["steps_per_epoch"]
+    extra = model.privacy_ledger.events() + planned_events(model, steps, spec["steps_per_epoch"])
+    sigma_eff = calibrate_noise_multiplier(
+        target_epsilon, spec["sampling_rate"], steps, spec["delta"], accountant,
+        spec["sampling"], spec["steps_per_epoch"], extra,
+    )
+    model.dp_parameters.noise_multiplier = sigma_eff / ratio
+    return model.dp_parameters.noise_multiplier
 
 
 def get_max_epochs(epsilon_max, model, accountant="rdp"):

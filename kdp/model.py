@@ -308,6 +308,25 @@ class DPModelMixin:
         super().compile(*args, **kwargs)
         self._set_cotangent_scale()
 
+    def make_train_function(self, force=False):
+        """Keras' compiled step, rebuilt whenever the calibration it baked in changed.
+
+        σ, the strategy, the noise coefficients and the batch size are Python
+        numbers when the step is traced: if any changed since (e.g. a second `fit`
+        after setting ``dp_parameters.noise_multiplier``), a cached step would add
+        the old noise while the ledger records the new one. (Clip thresholds live
+        in variables and are read by the step itself.)
+        """
+        signature = None if self.dp_parameters is None else repr((
+            self.dp_parameters.get_config(),
+            None if self.dataset_metadata is None else self.dataset_metadata.get_config(),
+            sorted(self._noise_coefficients().items()),
+        ))
+        if signature != getattr(self, "_traced_noise_signature", None):
+            force = True
+        self._traced_noise_signature = signature
+        return super().make_train_function(force=force)
+
     def compile_from_config(self, config):
         """Recompile a model loaded by `keras.models.load_model` (Keras skips it for
         a custom `compile`; ours only adds the cotangent scale), so a loaded model

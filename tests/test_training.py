@@ -355,3 +355,30 @@ def test_digits_end_to_end():
     acc = np.mean(np.argmax(model.predict(x_te, verbose=0), -1) == y_te)
     print(f"\ndigits: test accuracy {acc:.3f} at epsilon {eps[-1]:.3f} (sigma {sigma:.3f})")
     assert acc > 0.6  # chance is 0.1
+
+
+def test_changing_sigma_between_fits_retraces_the_step():
+    """A second fit after changing σ must add the new noise (the ledger records it)."""
+    keras.utils.set_random_seed(3)
+    model = _noise_model("global", sigma=1.5)
+    first = _draw_noise(model, 40)
+    model.dp_parameters.noise_multiplier = 6.0
+    second = _draw_noise(model, 40)
+    ratios = [_rms(b) / _rms(a) for a, b in zip(first, second)]
+    assert all(abs(r - 4.0) < 0.4 for r in ratios), ratios
+
+
+@pytest.mark.parametrize("strategy", ["global", "per-layer"])
+def test_calibrate_model_noise_meets_the_target_for_both_strategies(strategy):
+    from kdp import accounting
+
+    model = _noise_model(strategy)
+    sigma = accounting.calibrate_model_noise(model, 3.0, epochs=5)
+    assert model.dp_parameters.noise_multiplier == sigma
+    eps, _ = accounting.get_eps_delta(model, 5)
+    assert 2.99 <= eps <= 3.0 + 1e-6
+    # the plain calibration ignores the strategy: under per-layer noise it overshoots
+    plain = accounting.calibrate_noise_multiplier(3.0, BATCH / N, 5 * math.ceil(N / BATCH), 1e-3)
+    model.dp_parameters.noise_multiplier = plain
+    over, _ = accounting.get_eps_delta(model, 5)
+    assert (over > 3.01) == (strategy == "per-layer")
