@@ -31,11 +31,9 @@ def child(kind, batch, steps):
     import resource
 
     import keras
-    from _timing import StepTimer
+    from _common import StepTimer, clipless_mlp
     import numpy as np
 
-    import kdp
-    from kdp import layers, losses
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     n = max(4 * batch, 8192)
@@ -51,13 +49,7 @@ def child(kind, batch, steps):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         fit = dict(batch_size=batch, shuffle=True)
     else:
-        model = kdp.DP_Sequential(
-            [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2),
-             layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(10)],
-            dp_parameters=kdp.DPParameters("per-layer", 1.0, 1e-5),
-            dataset_metadata=kdp.DatasetMetadata((784,), 10, n, batch),
-        )
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses.DP_TauCategoricalCrossentropy(1.0))
+        model = clipless_mlp(n, batch)
         fit = {}
     model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0, **fit)  # compile
     timer = StepTimer()

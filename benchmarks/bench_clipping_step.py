@@ -83,7 +83,7 @@ def child(model_name, kind, batch, steps):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import resource
 
-    from _timing import StepTimer
+    from _common import StepTimer
     import numpy as np
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -39,11 +39,10 @@ def child(backend, devices, batch, steps):
     import contextlib
 
     import keras
-    from _timing import StepTimer
+    from _common import StepTimer, clipless_mlp
     import numpy as np
 
     import kdp
-    from kdp import layers, losses
 
     if devices == 1:
         scope, kind = contextlib.nullcontext(), "none"
@@ -66,13 +65,7 @@ def child(backend, devices, batch, steps):
     x = rng.random((n, 784), dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
     with scope:
-        model = kdp.DP_Sequential(
-            [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2),
-             layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(10)],
-            dp_parameters=kdp.DPParameters("per-layer", 1.0, 1e-5),
-            dataset_metadata=kdp.DatasetMetadata((784,), 10, n, batch),
-        )
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses.DP_TauCategoricalCrossentropy(1.0))
+        model = clipless_mlp(n, batch)
         model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)  # compile
         timer = StepTimer()
         model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])

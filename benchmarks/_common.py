@@ -1,0 +1,39 @@
+"""Shared by the benchmark scripts: a step timer and the Clipless MLP they all time."""
+
+import time
+
+import keras
+import numpy as np
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Wall time of each training step (from batch begin to batch end)."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+    def median(self):
+        return float(np.median(self.times))
+
+
+def clipless_mlp(nb_samples, batch_size):
+    """The Lipschitz MLP 784→512→512→10 (GroupSort) as a compiled `DP_Sequential`
+    with per-layer noise (σ = 1), SGD and τ-cross-entropy."""
+    import kdp
+    from kdp import layers, losses
+
+    model = kdp.DP_Sequential(
+        [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2),
+         layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(10)],
+        dp_parameters=kdp.DPParameters("per-layer", 1.0, 1e-5),
+        dataset_metadata=kdp.DatasetMetadata((784,), 10, nb_samples, batch_size),
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses.DP_TauCategoricalCrossentropy(1.0))
+    return model
