@@ -38,7 +38,8 @@ def gradient(fn, *args):
 
 
 def compile_function(fn):
-    """``fn`` compiled by the backend (``jax.jit`` / ``tf.function``); as is elsewhere."""
+    """``fn`` compiled by the backend (``jax.jit`` / ``tf.function``), one trace per
+    input shape on both (static shapes); returned as is on other backends."""
     backend = keras.backend.backend()
     if backend == "jax":
         import jax
@@ -47,7 +48,7 @@ def compile_function(fn):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return tf.function(fn, reduce_retracing=True)
+        return tf.function(fn)
     return fn
 
 

@@ -29,7 +29,7 @@ from kdp.bounds import BoundError, bound_sqrt, compute_gradient_bounds, loss_lip
 from kdp.layers.base import serializable
 from kdp.layers.clip import DP_ClipGradient
 from kdp.ledger import LedgerJournal, PrivacyLedger
-from kdp.pipeline import DatasetMetadata, PoissonBatches, ShuffledBatches
+from kdp.pipeline import DatasetMetadata, PoissonBatches, ShuffledBatches, draw_seed
 
 NOISIFY_STRATEGIES = ("per-layer", "global")
 
@@ -95,9 +95,7 @@ class DPParameters:
 
     def draw_seed(self, offset=0):
         """The fixed seed (+ offset) if reproducible, else 31 bits of OS entropy."""
-        if self.reproducible:
-            return self.seed + offset
-        return int.from_bytes(os.urandom(4), "little") >> 1
+        return draw_seed(self.reproducible, self.seed, offset)
 
     def get_config(self):
         return {

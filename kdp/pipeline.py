@@ -1,6 +1,7 @@
 """Data: dataset metadata, data-independent input bounds, Poisson batches."""
 
 import math
+import os
 
 import numpy as np
 import keras
@@ -65,6 +66,13 @@ class DatasetMetadata:
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if v is not None)
         return f"DatasetMetadata({args})"
+
+
+def draw_seed(reproducible, seed, offset=0):
+    """``seed + offset`` if ``reproducible`` (tests only), else 31 bits of OS entropy."""
+    if reproducible:
+        return seed + offset
+    return int.from_bytes(os.urandom(4), "little") >> 1
 
 
 def poisson_capacity(batch_size, nb_samples):
@@ -202,7 +210,7 @@ from kdp.datasets import (  # noqa: E402
 )
 
 __all__ = [
-    "DatasetMetadata", "PoissonBatches", "ShuffledBatches", "poisson_capacity", "bound_clip_value",
+    "DatasetMetadata", "draw_seed", "PoissonBatches", "ShuffledBatches", "poisson_capacity", "bound_clip_value",
     "bound_normalize", "load_breast_cancer", "load_cifar10", "load_dataset", "load_digits",
     "load_fashion_mnist", "load_mnist",
 ]

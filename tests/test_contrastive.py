@@ -17,7 +17,7 @@ from kdp import accounting
 from kdp.bounds import BoundError
 from kdp.contrastive import (ContrastiveTrainer, PairGradients, clipless_pair_bound, embed,
                              knn_accuracy, same_class_pairs)
-from kdp.contrastive import _backend
+from kdp.autodiff import compile_function
 from kdp.layers import DP_BoundedInput, DP_GroupSort, DP_SpectralDense
 from kdp.losses.contrastive import (DP_InfoNCE, DP_Spreadout, infonce_constant,
                                     paper_infonce_constant)
@@ -46,8 +46,8 @@ def _flat(grads):
 def _gbar_fn(engine, clip_norm):
     """Compiled ``(params, others, x, xp, mask) -> ḡ`` (Logit-DP, or autodiff if None)."""
     if clip_norm is None:
-        return _backend.jit(lambda p, o, x, xp, m: engine.loss_gradient(p, o, x, xp, m)[0])
-    return _backend.jit(lambda p, o, x, xp, m: engine.logit_dp_gradient(p, o, x, xp, m,
+        return compile_function(lambda p, o, x, xp, m: engine.loss_gradient(p, o, x, xp, m)[0])
+    return compile_function(lambda p, o, x, xp, m: engine.logit_dp_gradient(p, o, x, xp, m,
                                                                           clip_norm)[0])
 
 
@@ -158,8 +158,8 @@ def test_pair_norms_match_bruteforce(method):
     rng = np.random.default_rng(2)
     x, xp = _random_batch(rng, 7)
     p, o = engine.variables()
-    norms = np.asarray(_backend.jit(engine.pair_norms)(p, o, x, xp), "float64")
-    brute = _backend.jit(engine.pair_gradients)(p, o, x, xp)
+    norms = np.asarray(compile_function(engine.pair_norms)(p, o, x, xp), "float64")
+    brute = compile_function(engine.pair_gradients)(p, o, x, xp)
     ref = np.sqrt(sum(np.sum(np.asarray(g, "float64").reshape(7, 7, -1) ** 2, -1) for g in brute))
     # float32 Gram expansion: error relative to the largest norm
     np.testing.assert_allclose(norms, ref, rtol=1e-5, atol=1e-5 * ref.max())
@@ -261,7 +261,7 @@ def test_per_anchor_clipping_violates_the_bound_at_large_n():
     xp[-1] = x1  # the removed pair's positive differs; every other embedding is equal
     p, o = engine.variables()
 
-    @_backend.jit
+    @compile_function
     def per_anchor_gradients(p, o, x, xp, mask):
         u = engine.embeddings(p, o, x)
         v = engine.embeddings(p, o, xp)
@@ -295,7 +295,7 @@ def test_clipless_bound_holds_per_pair_and_per_batch():
         assert bound == pytest.approx(2 * math.sqrt(sum(b * b for b in betas.values())))
         engine = PairGradients(enc, loss)
         fn = _gbar_fn(engine, None)
-        norms_fn = _backend.jit(engine.pair_norms)
+        norms_fn = compile_function(engine.pair_norms)
         if not linear:  # move the weights: the kernels stay certified by their projection
             trainer = ContrastiveTrainer(enc, loss, "non-private", batch_size=32, jit_compile=True,
                                          optimizer=keras.optimizers.SGD(0.5))

@@ -89,17 +89,6 @@ def pair_gradients(fn, params, a, b):
     return [tf.reshape(g, (n, m) + tuple(p.shape)) for g, p in zip(grads, params)]
 
 
-def jit(fn):
-    """Compile ``fn`` (``jax.jit`` or ``tf.function``); shapes are static per padding size."""
-    if _backend() == "jax":
-        import jax
-
-        return jax.jit(fn)
-    import tensorflow as tf
-
-    return tf.function(fn)  # one trace per static shape, like jax.jit
-
-
 def compiled_apply(optimizer, jit_compile=True):
     """``apply(grads, variables)``: one optimizer update (constraints included),
     compiled: ``stateless_apply`` under ``jax.jit`` (an eager JAX update re-runs

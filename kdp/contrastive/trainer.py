@@ -54,7 +54,6 @@ are **not** covered by the guarantee.
 """
 
 import math
-import os
 
 import keras
 import numpy as np
@@ -64,7 +63,8 @@ from kdp import accounting
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import PairGradients, clipless_pair_bound
 from kdp.ledger import PrivacyLedger
-from kdp.pipeline import PoissonBatches
+from kdp.autodiff import compile_function
+from kdp.pipeline import PoissonBatches, draw_seed
 
 STRATEGIES = ("logit-dp", "naive", "clipless", "non-private")
 SENSITIVITY_SIZES = ("dataset", "supremum")
@@ -134,15 +134,13 @@ class ContrastiveTrainer:
         if strategy == "clipless":
             self.pair_bound, self.pair_bounds = clipless_pair_bound(encoder, loss, input_bound)
         self._noise_seed = keras.random.SeedGenerator(self._draw_seed(0))
-        compile_fn = _backend.jit if jit_compile else (lambda f: f)
+        compile_fn = compile_function if jit_compile else (lambda f: f)
         self._gradient_fn = compile_fn(self._raw_gradient)
         self._apply = _backend.compiled_apply(self.optimizer, jit_compile)
 
     # -- the mechanism -----------------------------------------------------------------
     def _draw_seed(self, offset):
-        if self.reproducible:
-            return self.seed + offset
-        return int.from_bytes(os.urandom(4), "little") >> 1
+        return draw_seed(self.reproducible, self.seed, offset)
 
     def calibration_size(self):
         """``n_cal``: ``N + 1`` (``"dataset"``) or ``math.inf`` (``"supremum"``)."""

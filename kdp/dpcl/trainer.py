@@ -20,18 +20,19 @@ proven guarantee, and the trainer warns. Poisson sampling is not implemented her
 """
 
 import math
-import os
 import warnings
 
 import keras
 import numpy as np
 from keras import ops
 
+from kdp.autodiff import compile_function
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import check_encoder
 from kdp.dpcl import accounting as A
 from kdp.dpcl.mechanisms import unit_rows
 from kdp.dpcl.objectives import Spec, gradient_sensitivity
+from kdp.pipeline import draw_seed
 
 AS_PUBLISHED_WARNING = (
     "DPCL mode 'as-published' uses the paper's gradient sensitivity 4C, which relies on "
@@ -87,15 +88,13 @@ class DPCLTrainer:
         self.steps_taken, self.dataset_size = 0, None
         if noise_multiplier is not None:
             self._build_spec()
-        wrap = _backend.jit if jit_compile else (lambda f: f)
+        wrap = compile_function if jit_compile else (lambda f: f)
         self._release_fn = wrap(self._release)
         self._clipped_fn = wrap(self._clipped_sum)
         self._apply = _backend.compiled_apply(self.optimizer, jit_compile)
 
     def _draw_seed(self, offset):
-        if self.reproducible:
-            return self.seed + offset
-        return int.from_bytes(os.urandom(4), "little") >> 1
+        return draw_seed(self.reproducible, self.seed, offset)
 
     def _build_spec(self):
         sigma_c = self.connection_noise_multiplier or self.noise_multiplier
