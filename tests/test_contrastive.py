@@ -315,6 +315,58 @@ def test_clipless_bound_holds_per_pair_and_per_batch():
     assert max(pair_ratios) > 0.05
 
 
+def _attaining_input(encoder, target, rng, samples=20000, steps=60):
+    """An input with ``‖x‖ = X0`` and ``‖f(x)‖`` just below ``target``: bisection on the
+    great circle between the random inputs of smallest and largest output norm."""
+    x = rng.normal(size=(samples, DIM))
+    x = X0 * x / np.linalg.norm(x, axis=1, keepdims=True)
+    norms = np.linalg.norm(np.asarray(encoder(x.astype("float32"))), axis=1)
+    assert norms.min() < target < norms.max()
+    lo, hi = x[np.argmin(norms)], x[np.argmax(norms)]
+
+    def point(t):
+        p = (1 - t) * lo + t * hi
+        return (X0 * p / np.linalg.norm(p)).astype("float32")
+
+    a, b = 0.0, 1.0
+    for _ in range(steps):
+        m = (a + b) / 2
+        if np.linalg.norm(np.asarray(encoder(point(m)[None]))) < target:
+            a = m
+        else:
+            b = m
+    return point(a)
+
+
+@pytest.mark.parametrize("linear", [True, False])
+@pytest.mark.parametrize("similarity", ["dot", "cosine"])
+def test_clipless_bound_is_attained_and_a_smaller_bound_is_caught(linear, similarity):
+    """The clipless bound is tight over the declared input ball, so no smaller constant
+    is sound for these encoders: the pair ``(x, x)`` with ``‖x‖ = X0`` and ``‖f(x)‖ = t``
+    (``t = r`` for the dot product, ``κ`` for cosine) attains it. There the embedding
+    map is linear with ``‖∂h/∂f‖ = G/t``, every cotangent has norm ``G``, every
+    orthogonal layer keeps ``‖x‖ = X0`` (its kernel gradient ``x ⊗ δ`` has norm
+    ``X0·G``) and the two halves of ``g_xx`` coincide. Negative control: a bound 1 %
+    smaller is exceeded."""
+    rng = np.random.default_rng(11)
+    enc = _encoder(linear=linear)
+    loss = (DP_InfoNCE(0.5, similarity="dot", radius=0.5) if similarity == "dot"
+            else DP_InfoNCE(0.5, norm_floor=0.3))
+    bound, _ = clipless_pair_bound(enc, loss)
+    target = loss.radius if similarity == "dot" else loss.norm_floor
+    x = _attaining_input(enc, target * (1 - 1e-4), rng)[None]
+    engine = PairGradients(enc, loss)
+    p, o = engine.variables()
+    measured = float(np.asarray(engine.pair_norms(p, o, x, x))[0, 0])
+    brute = math.sqrt(sum(float(np.sum(np.square(np.asarray(g, "float64"))))
+                          for g in engine.pair_gradients(p, o, x, x)))
+    print(f"\nclipless bound {bound:.4f}: attained {measured / bound:.5f} "
+          f"(brute force {brute / bound:.5f})")
+    assert measured == pytest.approx(brute, rel=1e-4)
+    assert measured <= bound * (1 + 1e-5)
+    assert measured > 0.99 * bound  # a bound 1 % too small is caught
+
+
 def test_clipless_refusals():
     with pytest.raises(BoundError, match="norm_floor"):
         clipless_pair_bound(_encoder(), DP_InfoNCE(0.5))

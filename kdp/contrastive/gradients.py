@@ -218,6 +218,28 @@ def clipless_pair_bound(encoder, loss, input_bound=None):
     So ``Clip_{B_pair}`` is the identity, ``ḡ = ∇_w 𝓛_X`` (no per-pair norm is ever
     computed) and the loss's batch sensitivity applies with ``B = B_pair``.
 
+    **The bound is attained** for encoders of orthogonal dense layers and GroupSort
+    (no smaller constant is sound for the declared input ball). Take ``x_i = x'_j = x``
+    with ``‖x‖ = X₀`` and ``‖f(x)‖ = t`` (``t = r`` for the dot product, ``κ`` for
+    cosine, approached from below; such an ``x`` exists when the last kernel has a null
+    space). There ``h`` is the identity (dot) or ``f ↦ f/κ`` (cosine), so
+    ``∂h/∂f = ‖∂h/∂f‖·I`` at its largest and ``‖h(f(x))‖ = ρ``: both cotangents equal
+    ``‖∂h/∂f‖·h(f(x))``, of norm ``G``; every orthogonal layer keeps
+    ``‖x‖ = X₀`` and passes the cotangent back with its norm, so every kernel gradient
+    ``x_ℓ ⊗ δ_ℓ`` has norm ``X₀·G = β_v``, and the two halves of ``g_xx`` coincide:
+    ``‖g_xx‖ = 2·√(Σ_v β_v²)``. `tests/test_contrastive.py` finds such an input by
+    bisection and measures ``‖g_xx‖ ≥ 0.9999·B_pair``. The slack on real data (the
+    largest pair gradient measured on the digits at initialisation is 1/1.5 to
+    1/1.05 of the bound, depending on r and the depth) is a property of the data, not of the bound.
+
+    **Choosing the similarity.** Dot product with radius ``r`` and temperature ``τ``
+    is cosine with floor ``κ = r`` and temperature ``τ/r²``. The clipless noise is
+    ``σ·K_{n_cal}(τ, a)·B_pair`` with the logit range ``a = r²/τ``: ``B_pair ∝ r`` and
+    ``τ·K → 4`` as ``a → 0`` (and ``K_{N+1} ≈ K_b`` then, so the calibration at
+    ``N + 1`` costs nothing), while the gradient of outputs projected onto the sphere
+    of radius ``r`` does not shrink with ``r``: prefer a small radius (below the typical
+    output norm) and a small logit range (notebook 06: ``r = 0.25, τ = 1``).
+
     Returns:
         ``(B_pair, {variable.path: β_v})``.
     """

@@ -44,7 +44,11 @@ Both are valid for every realised batch. For τ ≥ 0.5 with cosine similarity t
 are close to ``K_C`` (within 1.1× for τ = 1); at small τ, ``K_n ≈ 2n/τ`` and the
 price of Poisson sampling without truncation is a noise of order ``N/b`` times
 that of ``K_C``: use a larger τ (the paper's code uses τ = 0.2 and calibrates
-at its fixed micro-batch size, which is only valid for fixed-size batches).
+at its fixed micro-batch size, which is only valid for fixed-size batches). The
+cost vanishes with the logit range ``a = c/τ``: ``K_{N+1}/K_b`` is 1.09 at
+``a = 1`` and 1.009 at ``a = 1/16`` (N = 716, b = 64), which is why the clipless
+configuration of notebook 06 uses the dot product with a small radius
+(``r = 0.25, τ = 1``; see `clipless_pair_bound`).
 
 **Accounting.** Each noisy step is ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``
 in a `kdp.ledger.PrivacyLedger` (the same dp-accounting events as
