@@ -23,16 +23,18 @@ class StepTimer(keras.callbacks.Callback):
         return float(np.median(self.times))
 
 
-def clipless_mlp(nb_samples, batch_size):
-    """The Lipschitz MLP 784→512→512→10 (GroupSort) as a compiled `DP_Sequential`
-    with per-layer noise (σ = 1), SGD and τ-cross-entropy."""
+def clipless_mlp(nb_samples, batch_size, activation="groupsort", **dp_parameters):
+    """The Lipschitz MLP 784→512→512→10 (``"groupsort"``: `DP_GroupSort(2)`, or
+    ``"relu"``: `DP_ReLU`) as a compiled `DP_Sequential` with per-layer noise
+    (σ = 1), SGD and τ-cross-entropy; ``dp_parameters`` go to `DPParameters`."""
     import kdp
     from kdp import layers, losses
 
+    act = {"groupsort": lambda: layers.DP_GroupSort(2), "relu": layers.DP_ReLU}[activation]
     model = kdp.DP_Sequential(
-        [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2),
-         layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(10)],
-        dp_parameters=kdp.DPParameters("per-layer", 1.0, 1e-5),
+        [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512), act(),
+         layers.DP_QuickSpectralDense(512), act(), layers.DP_QuickSpectralDense(10)],
+        dp_parameters=kdp.DPParameters("per-layer", 1.0, 1e-5, **dp_parameters),
         dataset_metadata=kdp.DatasetMetadata((784,), 10, nb_samples, batch_size),
     )
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses.DP_TauCategoricalCrossentropy(1.0))

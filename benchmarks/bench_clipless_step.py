@@ -1,20 +1,30 @@
 """Time and peak memory of one training step: plain Keras vs kdp's Clipless DP-SGD.
 
 The MLP 784→512→512→10 is trained (a) with plain Keras (`Dense` + ReLU, SGD,
-sparse categorical cross-entropy) and (b) with kdp (`DP_BoundedInput`,
-`DP_QuickSpectralDense` + `DP_GroupSort`, a `DP_Sequential` with per-layer noise,
-Poisson batches, SGD, τ-cross-entropy), at batch sizes 256, 1024 and 4096, on the
-backend of ``KERAS_BACKEND`` (run the script once per backend).
+sparse categorical cross-entropy, shuffled fixed-size batches) and (b) with kdp
+(`DP_BoundedInput`, `DP_QuickSpectralDense`, a `DP_Sequential` with per-layer
+noise, Poisson batches, SGD, τ-cross-entropy) at batch sizes 256, 1024 and
+4096, on the backend of ``KERAS_BACKEND`` (run the script once per backend).
+kdp is timed three ways:
+
+* ``kdp relu``: the same architecture as (a) (`DP_ReLU`), so the ratio is the
+  price of privacy: projections, noise, Poisson padding, bookkeeping;
+* ``kdp gs``: with `DP_GroupSort(2)` (what the tutorials use for accuracy), so
+  the activation's own cost shows as the difference with ``kdp relu``;
+* ``kdp relu 1-shape``: ``DPParameters(batch_shapes=1)``, every Poisson batch
+  padded to the capacity ``b + 6√b + 8`` (kdp ≤ 0.1's only mode).
 
 Each configuration runs in its **own subprocess**, so that its peak memory is
 that process's max RSS (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, which also
-sees the memory of XLA/TensorFlow's C++ allocators that `tracemalloc` misses);
-the baseline RSS after imports is reported too, so the step's own footprint is
-``peak − base``. Time: ``fit`` over 3 warm-up steps (compilation), then the
-median of per-step wall times over ``--steps`` steps measured by a callback
-(includes kdp's Poisson batch drawing, the noise and the projections).
+sees XLA/TensorFlow's C++ allocators); the baseline RSS after the imports (kdp
+included, for both kinds) is subtracted. Time: ``fit`` over ``--warmup`` steps (compilation of every padded
+size), then the wall time of one ``fit`` of ``--steps`` steps divided by the
+number of steps: the throughput a user sees, with drawing and padding the
+Poisson batches, the noise and the projections. (A per-step callback timer
+would under-count on a GPU, where JAX dispatches steps asynchronously.)
+Ratios are kdp / Keras measured in the same run.
 
-    KERAS_BACKEND=jax python benchmarks/bench_clipless_step.py
+    KERAS_BACKEND=jax python benchmarks/bench_clipless_step.py [--batches 256 1024 4096]
 """
 
 import argparse
@@ -22,63 +32,97 @@ import json
 import os
 import subprocess
 import sys
+import time
 
-BATCHES = (256, 1024, 4096)
+KINDS = {  # name -> kdp options (None: plain Keras)
+    "keras": None,
+    "kdp relu": dict(activation="relu"),
+    "kdp gs": dict(activation="groupsort"),
+    "kdp relu 1-shape": dict(activation="relu", batch_shapes=1),
+}
 
 
-def child(kind, batch, steps):
+def model_batch_shapes(model):
+    from kdp.pipeline import poisson_batch_shapes
+
+    md = model.dataset_metadata
+    return poisson_batch_shapes(md.batch_size, md.nb_samples_train, model.dp_parameters.batch_shapes)
+
+
+def child(kind, batch, steps, warmup):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import resource
 
     import keras
-    from _common import StepTimer, clipless_mlp
     import numpy as np
+    from _common import clipless_mlp
 
+    import kdp  # noqa: F401  (imported by both kinds, so that the base RSS counts it)
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     n = max(4 * batch, 8192)
     rng = np.random.default_rng(0)
     x = rng.random((n, 784), dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
-    if kind == "keras":
+    options = KINDS[kind]
+    if options is None:
         model = keras.Sequential([
             keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
             keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10),
         ])
         model.compile(optimizer=keras.optimizers.SGD(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        fit = dict(batch_size=batch, shuffle=True)
+        per_epoch = n // batch  # Keras runs out of data after one pass: several epochs
+        epochs = -(-steps // per_epoch)
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=min(warmup, per_epoch), verbose=0)
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, shuffle=True, epochs=epochs, steps_per_epoch=per_epoch, verbose=0)
+        done = epochs * per_epoch
     else:
-        model = clipless_mlp(n, batch)
-        fit = {}
-    model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0, **fit)  # compile
-    timer = StepTimer()
-    model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer], **fit)
+        model = clipless_mlp(n, batch, **options)
+        model.fit(x, y, epochs=1, steps_per_epoch=warmup, verbose=0)
+        for size in model_batch_shapes(model):  # compile every padded size (weights 0)
+            model.train_on_batch(x[:size], y[:size], sample_weight=np.zeros(size, "float32"))
+        start = time.perf_counter()
+        model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
+        done = steps
+    elapsed = (time.perf_counter() - start) / done  # fit ends with the weights synced
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"time": timer.median(), "peak_mb": peak / 1024, "base_mb": base / 1024}))
+    print(json.dumps({"time": elapsed, "peak_mb": peak / 1024, "base_mb": base / 1024}))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=12)
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS)[1:], help="kdp variants to time")
     parser.add_argument("--child", nargs=2)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.steps)
+        child(args.child[0], int(args.child[1]), args.steps, args.warmup)
         return
     import keras
 
-    print(f"backend={keras.backend.backend()}  MLP 784-512-512-10, median of {args.steps} steps")
-    print(f"{'batch':>6} {'keras ms':>9} {'kdp ms':>9} {'ratio':>6} {'keras MB':>9} {'kdp MB':>9} (peak RSS - base)")
-    for batch in BATCHES:
+    devices = {"jax": lambda: __import__("jax").devices()[0].device_kind}.get(keras.backend.backend(), lambda: "")
+    print(f"backend={keras.backend.backend()} {devices()}  MLP 784-512-512-10, fit wall time / {args.steps} steps")
+    names = [k for k in args.kinds if k != "keras"]
+    print(f"{'batch':>6} {'keras ms':>9} " + " ".join(f"{n + ' ms':>18}" for n in names)
+          + "  " + " ".join(f"{'x ' + n:>16}" for n in names)
+          + f" {'keras MB':>9} {names[0] + ' MB':>12} (peak RSS - base)")
+    for batch in args.batches:
         res = {}
-        for kind in ("keras", "kdp"):
-            out = subprocess.run([sys.executable, __file__, "--child", kind, str(batch), "--steps", str(args.steps)],
+        for kind in ["keras"] + names:
+            out = subprocess.run([sys.executable, __file__, "--child", kind, str(batch), "--steps",
+                                  str(args.steps), "--warmup", str(args.warmup)],
                                  capture_output=True, text=True, check=True)
             res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-        k, d = res["keras"], res["kdp"]
-        print(f"{batch:6d} {1e3 * k['time']:9.2f} {1e3 * d['time']:9.2f} {d['time'] / k['time']:6.2f} "
-              f"{k['peak_mb'] - k['base_mb']:9.0f} {d['peak_mb'] - d['base_mb']:9.0f}", flush=True)
+        k = res["keras"]
+        print(f"{batch:6d} {1e3 * k['time']:9.2f} "
+              + " ".join(f"{1e3 * res[n]['time']:18.2f}" for n in names) + "  "
+              + " ".join(f"{res[n]['time'] / k['time']:16.2f}" for n in names)
+              + f" {k['peak_mb'] - k['base_mb']:9.0f} {res[names[0]]['peak_mb'] - res[names[0]]['base_mb']:12.0f}",
+              flush=True)
 
 
 if __name__ == "__main__":

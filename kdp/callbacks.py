@@ -66,9 +66,10 @@ class DP_Accountant(keras.callbacks.Callback):
         if self.per_step:
             self._epsilon(logs)
         if self._allowed_steps is not None:
-            done = self.model.privacy_ledger.training_steps() - self._start_steps
+            model = self._model  # the ledger only: no JAX state sync (`self.model` would)
+            done = model.privacy_ledger.training_steps() - self._start_steps
             if done + 1 > self._allowed_steps:
-                self.model.stop_training = True
+                model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
         eps = self._epsilon(logs)

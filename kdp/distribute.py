@@ -56,6 +56,20 @@ def num_replicas(model=None):
     return 1
 
 
+def on_accelerator():
+    """Whether the backend computes on a GPU or TPU (not only the CPU)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend() != "cpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return any(d.device_type != "CPU" for d in tf.config.list_logical_devices())
+    return False
+
+
 def noise_share():
     """The weight of this replica's copy of a replicated term (noise, regularizers).
 

@@ -10,6 +10,7 @@ detached, so nothing alters the update. The expected stds are written out by
 hand from the bound formulas, independently of `compute_gradient_bounds`.
 """
 
+import concurrent.futures
 import math
 
 import keras
@@ -21,7 +22,7 @@ import kdp
 from kdp import accounting, layers, losses
 from kdp.bounds import BoundError
 from kdp.model import DP_Sequential, DPParameters
-from kdp.pipeline import DatasetMetadata, PoissonBatches
+from kdp.pipeline import DatasetMetadata, PoissonBatches, poisson_capacity
 
 SQRT2 = math.sqrt(2.0)  # L of DP_TauCategoricalCrossentropy
 D_IN, X0, B_NORM = 24, 2.0, 0.5
@@ -189,13 +190,89 @@ def test_poisson_batches_are_never_truncated():
     x = np.arange(1, n + 1, dtype="float32")[:, None]
     w = np.linspace(0.2, 1.0, n).astype("float32")
     batches, twin = PoissonBatches(x, np.zeros(n), b, w, seed=5), PoissonBatches(x, np.zeros(n), b, w, seed=5)
-    batches.capacity = twin.capacity = 4  # force an overflow
+    batches.shapes = twin.shapes = (4,)  # force an overflow
     for _ in range(5):
         idx = twin.sample_indices()
         bx, _, bw = batches[0]
         assert len(bx) >= len(idx) and len(bx) % 4 == 0
         assert np.array_equal(bx[: len(idx), 0], x[idx, 0]) and np.array_equal(bw[: len(idx)], w[idx])
         assert np.all(bw[len(idx):] == 0)
+
+
+def test_padding_ladder_pads_little_and_never_truncates():
+    n, b, draws = 60000, 1024, 400
+    x = np.arange(n, dtype="float32")[:, None]
+    ladder = PoissonBatches(x, np.zeros(n), b, seed=2, shapes=3)
+    single = PoissonBatches(x, np.zeros(n), b, seed=2, shapes=1)
+    s = math.sqrt(b * (1 - b / n))
+    assert ladder.shapes == (math.ceil(b + 0.5 * s), math.ceil(b + 2 * s), single.capacity)
+    assert single.shapes == (single.capacity,) == (poisson_capacity(b, n),)
+    rows = {"ladder": [], "single": []}
+    for _ in range(draws):
+        for name, batches in (("ladder", ladder), ("single", single)):
+            bx, _, bw = batches[0]
+            real = int(bw.sum())
+            assert len(bx) >= real and np.all(bw[real:] == 0)  # the real rows first, never cut
+            assert len(bx) == min(size for size in batches.shapes if size >= real)  # the smallest that fits
+            rows[name].append(len(bx))
+    padding = {k: np.mean(v) / b - 1 for k, v in rows.items()}
+    assert padding["ladder"] < 0.05 and len(set(rows["ladder"])) >= 2
+    assert padding["single"] > 0.15  # the control: the one-shape padding this ladder replaces
+    with pytest.raises(ValueError, match="batch_shapes"):
+        DPParameters(batch_shapes=4)
+
+
+def test_threaded_batch_preparation_draws_independent_poisson_batches():
+    n, b, draws = 100, 20, 1200
+    x = np.arange(n, dtype="float32")[:, None]
+    batches = PoissonBatches(x, np.zeros(n), b, seed=8, workers=4)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        drawn = list(pool.map(lambda i: batches[i % len(batches)], range(draws)))
+    counts, sizes = np.zeros(n), []
+    for bx, _, bw in drawn:
+        ids = bx[bw > 0, 0].astype(int)
+        counts[ids] += 1
+        sizes.append(len(ids))
+    q = b / n
+    dispersion = np.sum((counts - draws * q) ** 2 / (draws * q * (1 - q)))
+    assert stats.chi2.sf(dispersion, n) > 1e-3 and stats.chi2.cdf(dispersion, n) > 1e-3
+    assert np.var(sizes) / (n * q * (1 - q)) == pytest.approx(1.0, abs=0.2)
+
+
+def test_fit_trains_through_every_padded_size(monkeypatch):
+    seen = []
+    padded_size = PoissonBatches.padded_size
+
+    def spy(self, records):
+        seen.append(padded_size(self, records))
+        return seen[-1]
+
+    monkeypatch.setattr(PoissonBatches, "padded_size", spy)
+    model = _small_model(n=120, b=30)
+    x, y = _data()
+    model.fit(x, y, epochs=6, verbose=0)  # 24 steps
+    assert len(set(seen)) >= 2  # several static shapes were trained on (TF: unknown batch axis)
+    assert model.privacy_ledger.training_steps() == 24
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX state sync only")
+def test_privacy_callbacks_do_not_sync_the_jax_state_every_step(monkeypatch):
+    """`Callback.model` copies the whole JAX training state into the variables; the
+    ledger callbacks only need Python state, so the number of syncs must not grow
+    with the number of steps (it tripled the host time of a small step)."""
+    syncs = []
+    sync = keras.Model.jax_state_sync
+    monkeypatch.setattr(keras.Model, "jax_state_sync", lambda self: syncs.append(1) or sync(self))
+    x, y = _data()
+    counts = []
+    for epochs in (1, 4):
+        model = _small_model(n=120, b=30, epsilon_max=1e3)
+        syncs.clear()
+        model.fit(x, y, epochs=epochs, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=1e3)])
+        counts.append(len(syncs))
+    # 3 more epochs, 12 more steps: a few syncs per epoch (Keras, the accountant), none
+    # per step (the ledger callback used to sync 3 times a step: 36 more)
+    assert counts[1] - counts[0] <= 3 * 3
 
 
 # --- ledger and callback --------------------------------------------------------------
