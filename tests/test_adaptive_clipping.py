@@ -65,12 +65,12 @@ def _measured_std(model, steps):
     for v in model.trainable_variables:
         v.constraint = None  # the update is then exactly −noise
     x, y = _data(1)
-    kernel = model.trainable_variables[0]
-    snapshots = [np.array(kernel)]
+    snapshots = [np.array(model.trainable_variables[0])]
 
     class Snap(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            snapshots.append(np.array(kernel))
+            # `self.model` syncs the JAX training state into the variables first
+            snapshots.append(np.array(self.model.trainable_variables[0]))
 
     model.fit(x, y, sample_weight=np.zeros(N), epochs=1, steps_per_epoch=steps, verbose=0,
               callbacks=[Snap()])
