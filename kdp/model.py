@@ -29,7 +29,7 @@ from kdp.bounds import BoundError, bound_sqrt, compute_gradient_bounds, loss_lip
 from kdp.layers.base import serializable
 from kdp.layers.clip import DP_ClipGradient
 from kdp.ledger import LedgerJournal, PrivacyLedger
-from kdp.pipeline import DatasetMetadata, PoissonBatches, ShuffledBatches, draw_seed, poisson_batch_shapes
+from kdp.pipeline import DatasetMetadata, PoissonBatches, ShuffledBatches, check_batch_shapes, draw_seed
 
 NOISIFY_STRATEGIES = ("per-layer", "global")
 
@@ -98,8 +98,7 @@ class DPParameters:
         self.epsilon_max = None if epsilon_max is None else float(epsilon_max)
         self.clipping_norm, self.clipping, self.physical_batch_size = check_clipping_parameters(
             clipping_norm, clipping, physical_batch_size)
-        poisson_batch_shapes(1, 2, batch_shapes)  # validates the count
-        self.batch_shapes = int(batch_shapes)
+        self.batch_shapes = check_batch_shapes(batch_shapes)
 
     def draw_seed(self, offset=0):
         """The fixed seed (+ offset) if reproducible, else 31 bits of OS entropy."""
@@ -459,12 +458,8 @@ class DPModelMixin:
             seed = self.dp_parameters.draw_seed(offset=1) if self.dp_parameters.reproducible else None
             replicas = distribute.num_replicas(self)  # data-parallel: shard the global batch
             if self.dp_parameters.sampling == "poisson":
-                x = PoissonBatches(x, y, md.batch_size, weights, steps_per_epoch, seed=seed,
-                                   multiple_of=replicas, shapes=self._batch_shape_count(replicas),
-                                   workers=self._batch_workers(seed))
-                if len(x.shapes) > 1 and keras.backend.backend() == "tensorflow":
-                    x, steps_per_epoch = x.as_tf_dataset(), len(x)  # every padded size
-                    kwargs["shuffle"] = False  # each batch is already a fresh Poisson draw
+                x, steps_per_epoch = self._poisson_batches(x, y, weights, steps_per_epoch, seed, replicas)
+                kwargs["shuffle"] = False  # each batch is already a fresh Poisson draw
             elif md.batch_size % replicas:
                 raise ValueError(f"shuffled batches of b={md.batch_size} records cannot be split "
                                  f"evenly over {replicas} replicas: choose b divisible by {replicas}")
@@ -489,20 +484,26 @@ class DPModelMixin:
         return super().fit(x, y, epochs=epochs, callbacks=callbacks, sample_weight=sample_weight,
                            steps_per_epoch=steps_per_epoch, **kwargs)
 
-    def _batch_shape_count(self, replicas):
-        # Keras' TensorFlow loops fix the batch shape of a `PyDataset`; the
-        # endless `tf.data` stream that lifts it is not used under tf.distribute.
-        if keras.backend.backend() == "tensorflow" and replicas > 1:
-            return 1
-        return self.dp_parameters.batch_shapes
+    def _poisson_batches(self, x, y, weights, steps_per_epoch, seed, replicas):
+        """``(data, steps_per_epoch)`` for Keras' `fit`: `PoissonBatches` padded to
+        ``dp_parameters.batch_shapes`` sizes.
 
-    @staticmethod
-    def _batch_workers(seed):
-        # A second thread prepares the next Poisson batch while an accelerator runs
-        # the step (GPU: the host work is most of a small step). Not on the CPU,
-        # where the step already uses every core and Keras' thread pool costs
-        # ≈ 0.1 s per epoch; not when seeded, where one draw order is wanted.
-        return 2 if seed is None and distribute.on_accelerator() else 1
+        * TensorFlow fixes a `PyDataset`'s batch shape from its first two batches:
+          with several sizes it gets an endless `tf.data` stream whose batch axis
+          is unknown instead (not under tf.distribute, which keeps one size).
+        * On an accelerator a second thread prepares the next batch while the step
+          runs (there the host work is most of a small step). Not on the CPU, where
+          the step uses every core and Keras' thread pool costs ≈ 0.1 s per epoch;
+          not when seeded, where one draw order is wanted.
+        """
+        tensorflow = keras.backend.backend() == "tensorflow"
+        shapes = 1 if tensorflow and replicas > 1 else self.dp_parameters.batch_shapes
+        workers = 2 if seed is None and distribute.on_accelerator() else 1
+        batches = PoissonBatches(x, y, self.dataset_metadata.batch_size, weights, steps_per_epoch,
+                                 seed=seed, multiple_of=replicas, shapes=shapes, workers=workers)
+        if tensorflow and len(batches.shapes) > 1:
+            return batches.as_tf_dataset(), len(batches)
+        return batches, steps_per_epoch
 
     def _check_arrays(self, x, y, sample_weight, class_weight):
         x = np.asarray(x)

@@ -89,6 +89,13 @@ def poisson_capacity(batch_size, nb_samples):
 _LADDER_OFFSETS = {1: (), 2: (1.0,), 3: (0.5, 2.0)}
 
 
+def check_batch_shapes(count):
+    """``count`` as an int if it is a valid number of padded sizes, else a `ValueError`."""
+    if count not in _LADDER_OFFSETS:
+        raise ValueError(f"batch_shapes must be one of {sorted(_LADDER_OFFSETS)}, got {count!r}")
+    return int(count)
+
+
 def poisson_batch_shapes(batch_size, nb_samples, count=3, multiple_of=1):
     """The static sizes Poisson batches are padded to (a padding ladder).
 
@@ -112,8 +119,7 @@ def poisson_batch_shapes(batch_size, nb_samples, count=3, multiple_of=1):
     Returns:
         The sorted tuple of sizes; the last one is the capacity.
     """
-    if count not in _LADDER_OFFSETS:
-        raise ValueError(f"batch_shapes must be one of {sorted(_LADDER_OFFSETS)}, got {count!r}")
+    count = check_batch_shapes(count)
     capacity = poisson_capacity(batch_size, nb_samples)
     spread = math.sqrt(batch_size * (1.0 - batch_size / nb_samples))
     sizes = {capacity} | {min(capacity, math.ceil(batch_size + c * spread)) for c in _LADDER_OFFSETS[count]}
@@ -288,7 +294,8 @@ from kdp.datasets import (  # noqa: E402
 )
 
 __all__ = [
-    "DatasetMetadata", "draw_seed", "PoissonBatches", "ShuffledBatches", "poisson_batch_shapes", "poisson_capacity",
+    "DatasetMetadata", "draw_seed", "PoissonBatches", "ShuffledBatches", "check_batch_shapes", "poisson_batch_shapes",
+    "poisson_capacity",
     "bound_clip_value",
     "bound_normalize", "load_breast_cancer", "load_cifar10", "load_dataset", "load_digits",
     "load_fashion_mnist", "load_mnist",

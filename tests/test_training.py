@@ -158,6 +158,13 @@ def test_clip_gradient_lowers_the_noise(clip, L_eff):
 
 # --- Poisson sampling ------------------------------------------------------------
 
+def _assert_binomial_dispersion(counts, draws, q):
+    """Each record's inclusion count is Binomial(draws, q): a two-sided χ² test of
+    the dispersion over all records (too even or too uneven both fail)."""
+    dispersion = np.sum((counts - draws * q) ** 2 / (draws * q * (1 - q)))
+    assert stats.chi2.sf(dispersion, len(counts)) > 1e-3 and stats.chi2.cdf(dispersion, len(counts)) > 1e-3
+
+
 def test_poisson_inclusion_rate_and_batch_sizes():
     n, b, draws = 200, 20, 3000
     q = b / n
@@ -177,8 +184,7 @@ def test_poisson_inclusion_rate_and_batch_sizes():
     # every example's inclusion count is Binomial(draws, q): two-sided tests, Bonferroni
     pvals = [stats.binomtest(int(c), draws, q).pvalue for c in counts]
     assert min(pvals) * n > 1e-3
-    dispersion = np.sum((counts - draws * q) ** 2 / (draws * q * (1 - q)))
-    assert stats.chi2.sf(dispersion, n) > 1e-3 and stats.chi2.cdf(dispersion, n) > 1e-3
+    _assert_binomial_dispersion(counts, draws, q)
     # batch sizes are Binomial(n, q)
     sizes = np.array(sizes)
     assert abs(sizes.mean() - b) < 5 * math.sqrt(n * q * (1 - q) / draws)
@@ -234,8 +240,7 @@ def test_threaded_batch_preparation_draws_independent_poisson_batches():
         counts[ids] += 1
         sizes.append(len(ids))
     q = b / n
-    dispersion = np.sum((counts - draws * q) ** 2 / (draws * q * (1 - q)))
-    assert stats.chi2.sf(dispersion, n) > 1e-3 and stats.chi2.cdf(dispersion, n) > 1e-3
+    _assert_binomial_dispersion(counts, draws, q)
     assert np.var(sizes) / (n * q * (1 - q)) == pytest.approx(1.0, abs=0.2)
 
 
