@@ -8,7 +8,10 @@ per-example units: nothing here is divided by the batch size).
 
 Works on `keras.Sequential` stacks, functional graphs (fan-out sums the cotangent
 bounds of the branches; a layer used twice sums its parameter bounds) and nested
-models, and refuses any layer without the protocol, naming it.
+models. It refuses, naming it, any layer without the protocol, a `DPLayer` that
+does not state its bounds (`kdp.layers.base`), a layer whose ``call`` was
+redefined after its bounds were stated, and a Sequential or functional model
+that overrides ``call`` (the pass walks its layer graph, not that code).
 
 Bounds are Python floats, except inside a traced function (the training step)
 downstream of a `DP_ClipGradient`: its threshold is a variable (adaptive clipping
@@ -20,13 +23,15 @@ a minimum) goes through `bound_sqrt` / `bound_min` or `keras.ops`.
 """
 
 import contextlib
+import functools
 import math
 import numbers
 
 import keras
 from keras import ops
+from keras.src.models.functional import Functional
 
-from kdp.layers.base import DPLayer
+from kdp.layers.base import BOUND_METHODS, DPLayer
 from kdp.layers.clip import DP_ClipGradient
 
 
@@ -38,19 +43,73 @@ def _is_functional(model):
     return hasattr(model, "_nodes_by_depth") and not isinstance(model, keras.Sequential)
 
 
+def _owner(cls, name):
+    """The first class of ``cls.__mro__`` whose body defines ``name`` (or None)."""
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_problem(cls, walked):
+    """Why the graph of a ``cls`` model is not what its ``call`` computes, or None."""
+    owner = _owner(cls, "call")
+    if owner is walked:
+        return None
+    return (
+        f"overrides call() (in {owner.__name__}): the bound pass walks the model's "
+        "layers, not the code of its call. Use a plain keras.Sequential or functional "
+        "model (kdp.DP_Sequential, kdp.DP_Model), or put the computation in a DP layer "
+        "that states its bounds."
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_problem(cls):
+    """Why the bounds of a ``cls`` layer may not describe its ``call``, or None."""
+    missing = [m for m in BOUND_METHODS if _owner(cls, m) is DPLayer]
+    if missing:
+        return (
+            f"does not state its bounds ({', '.join(missing)}), and the bound pass "
+            "does not assume it is the identity. Implement the three bound methods, or "
+            "inherit kdp.layers.DPNormNonIncreasingLayer if the layer is parameterless, "
+            "1-Lipschitz and maps 0 to 0."
+        )
+    call = _owner(cls, "call")
+    if call is None:
+        return None
+    for method in BOUND_METHODS:
+        owner = _owner(cls, method)
+        # a layer class above `call` that wrote the bounds or mixed them in
+        for stated in call.__mro__[1:]:
+            if hasattr(stated, "call") and (stated is owner or owner in stated.__bases__):
+                return (
+                    f"redefines call() in {call.__name__} but inherits {method} from "
+                    f"{stated.__name__}, where it describes another call(). State the "
+                    f"three bound methods in {call.__name__}."
+                )
+    return None
+
+
 def _check(op):
-    if isinstance(op, (DPLayer, keras.Sequential)) or _is_functional(op):
-        return
     if isinstance(op, keras.layers.InputLayer):
         return
-    kind = type(op).__name__
-    raise BoundError(
-        f"Layer {getattr(op, 'name', op)!r} ({kind}) has no DP bound protocol, so no "
-        "per-example gradient bound can be certified through it. Use kdp.layers "
-        "(e.g. DP_QuickSpectralDense for Dense, DP_LayerCentering instead of "
-        "BatchNormalization, no Dropout) or implement propagate_inputs / "
-        "backpropagate_inputs / backpropagate_params."
-    )
+    if isinstance(op, keras.Sequential):
+        problem = _model_problem(type(op), keras.Sequential)
+    elif _is_functional(op):
+        problem = _model_problem(type(op), Functional)
+    elif isinstance(op, DPLayer):
+        problem = _layer_problem(type(op))
+    else:
+        problem = (
+            "has no DP bound protocol, so no per-example gradient bound can be "
+            "certified through it. Use kdp.layers (e.g. DP_QuickSpectralDense for "
+            "Dense, DP_LayerCentering instead of BatchNormalization, no Dropout) or "
+            "implement propagate_inputs / backpropagate_inputs / backpropagate_params."
+        )
+    if problem is None and "call" in vars(op):
+        problem = "has its call() replaced on the instance: its bounds describe another call()."
+    if problem is not None:
+        kind = "Model" if isinstance(op, keras.Model) else "Layer"
+        raise BoundError(f"{kind} {getattr(op, 'name', op)!r} ({type(op).__name__}) {problem}")
 
 
 def is_float_bound(bound):

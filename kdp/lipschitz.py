@@ -13,15 +13,21 @@ The projection used by every kdp kernel is a *certified* orthogonalisation:
 Hence, in exact arithmetic, **every** Björck step started from ``‖W‖₂² ≤ 4`` returns
 a kernel with ``‖W‖₂ ≤ 1``, however early the iteration stops: the claim
 ``‖W‖₂ ≤ 1`` never relies on power iteration (which under-estimates) or on
-convergence. Floating-point rounding is covered by a final shrink factor
+convergence. Float32 rounding is covered by a final shrink factor
 ``1 − FLOAT_MARGIN`` (tests measure the exact largest singular value with an SVD).
 
-Reference: Björck & Bowie (1971); Anil et al. (2019) for Björck in Lipschitz nets;
-the certificate is kdp's own (see DESIGN §3.5).
+That margin covers float32 products, not the reduced precision that GPUs and TPUs
+use for float32 matmuls by default (TF32: 10 mantissa bits, ‖W‖₂ up to ≈ 1 + 4e-4
+after a few quick projections; bfloat16 on TPUs: 7 bits). Every product of the
+projection therefore goes through `precise_matmul`.
+
+References: Björck & Bowie (1971); Anil et al. (2019) for Björck in Lipschitz
+nets; Henry, Tang & Heinecke (2019) for the split products of `precise_matmul`.
 """
 
 import math
 
+import keras
 from keras import ops
 
 #: relative shrink applied after the last Björck step, to cover float32 rounding.
@@ -30,6 +36,102 @@ FLOAT_MARGIN = 1e-5
 _PRESCALE_LIMIT = 3.5
 
 
+# -- full-float32 products -------------------------------------------------------
+
+#: keeps the sign, the exponent and the 7 stored mantissa bits of a float32: a
+#: bfloat16, exact in bfloat16 and in TF32 (10 bits).
+_BF16_MASK = -65536  # 0xFFFF0000
+_BF16_HALF_ULP = 0x8000
+
+
+def _accelerator_visible():
+    """True if the backend may run float32 matmuls at reduced precision (TF32 on
+    an Ampere or later GPU, bfloat16 passes on a TPU): a GPU or TPU is visible."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        devices = tf.config.list_physical_devices
+        return bool(devices("GPU") or devices("TPU"))
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    return backend != "numpy"
+
+
+def _bitcast(x, dtype):
+    if hasattr(ops, "view"):
+        return ops.view(x, dtype)
+    import tensorflow as tf  # Keras < 3.10 on TensorFlow (JAX never gets here)
+
+    return tf.bitcast(x, dtype)
+
+
+def _bf16_round(x):
+    """``x`` rounded to its 8 leading significant bits (exactly a bfloat16)."""
+    bits = _bitcast(x, "int32")
+    return _bitcast(ops.bitwise_and(bits + _BF16_HALF_ULP, _BF16_MASK), "float32")
+
+
+def _split3(x):
+    """``x = x1 + x2 + x3`` exactly, each piece exact in bfloat16 and in TF32:
+    ``x1`` and ``x2`` hold 8 significant bits each, ``x3`` the last ≤ 8."""
+    x1 = _bf16_round(x)
+    r = x - x1  # exact (Sterbenz): at most 16 significant bits
+    x2 = _bf16_round(r)
+    return x1, x2, r - x2  # r - x2 exact as well
+
+
+def split_matmul(a, b):
+    """``a @ b`` from six products of bfloat16-exact pieces (Henry et al. 2019).
+
+    Each piece is exact in any float32 matmul mode (bfloat16, TF32, float32) and
+    each product of two pieces (16 bits) is exact in the float32 accumulator; the
+    three dropped products add up to about ``2⁻²³ |a||b|`` (entrywise). So the
+    result is as accurate as a float32 product whatever precision the device uses
+    for ``ops.matmul``. Not differentiable (bit casts).
+    """
+    a1, a2, a3 = _split3(a)
+    b1, b2, b3 = _split3(b)
+    mm = ops.matmul
+    small = mm(a1, b3) + mm(a2, b2) + mm(a3, b1)
+    return mm(a1, b1) + ((mm(a1, b2) + mm(a2, b1)) + small)
+
+
+def precise_matmul(a, b):
+    """``a @ b`` at float32 precision on every backend and device.
+
+    GPUs run float32 matmuls in TF32 by default, in JAX and in TensorFlow alike
+    (TPUs in bfloat16), which ``FLOAT_MARGIN`` does not cover.
+
+    * JAX: ``precision=HIGHEST`` on this product only (float32 on GPUs, six
+      bfloat16 passes on TPUs); no global setting changes.
+    * TensorFlow (and torch): the only switch is process-wide
+      (``tf.config.experimental.enable_tensor_float_32_execution``, read when a
+      graph is compiled or run, and it would slow the whole model), so kdp does
+      not touch it: when a GPU or TPU is visible it uses `split_matmul`, whose
+      pieces no matmul mode rounds. On a CPU, ``ops.matmul`` is float32.
+
+    Args:
+        a, b: matrices of the same float dtype (only float32 is split).
+
+    Returns:
+        ``a @ b``.
+    """
+    a, b = ops.convert_to_tensor(a), ops.convert_to_tensor(b)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.numpy.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    float32 = keras.backend.standardize_dtype(a.dtype) == "float32"
+    if float32 and _accelerator_visible():
+        return split_matmul(a, b)
+    return ops.matmul(a, b)
+
+
+# -- certified projection ---------------------------------------------------------
+
 def _is_tall(shape):
     return shape[0] >= shape[1]
 
@@ -37,8 +139,8 @@ def _is_tall(shape):
 def gram(w):
     """The smaller Gram matrix of a 2-D kernel: ``WᵀW`` if tall, else ``WWᵀ``."""
     if _is_tall(w.shape):
-        return ops.matmul(ops.transpose(w), w)
-    return ops.matmul(w, ops.transpose(w))
+        return precise_matmul(ops.transpose(w), w)
+    return precise_matmul(w, ops.transpose(w))
 
 
 def gram_norm_bound(g):
@@ -49,7 +151,7 @@ def gram_norm_bound(g):
 def _bjorck_step(w, g):
     eye = ops.eye(g.shape[0], dtype=w.dtype)
     p = 1.5 * eye - 0.5 * g
-    return ops.matmul(w, p) if _is_tall(w.shape) else ops.matmul(p, w)
+    return precise_matmul(w, p) if _is_tall(w.shape) else precise_matmul(p, w)
 
 
 def orthogonalize(w, iterations=1, tolerance=None):

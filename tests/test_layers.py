@@ -241,7 +241,12 @@ def test_bounds_are_not_vacuous():
 
 @L.base.serializable
 class _TripledDense(L.DP_QuickSpectralDense):
-    """Broken on purpose: the kernel is used ×3 and never projected."""
+    """Broken on purpose: the kernel is used ×3 and never projected, and the
+    bounds of a 1-Lipschitz dense layer are restated for this call."""
+
+    propagate_inputs = L.DP_QuickSpectralDense.propagate_inputs
+    backpropagate_inputs = L.DP_QuickSpectralDense.backpropagate_inputs
+    backpropagate_params = L.DP_QuickSpectralDense.backpropagate_params
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -455,3 +460,211 @@ def test_missing_input_bound_is_refused():
     with pytest.raises(BoundError, match="input norm bound"):
         kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR())
     assert kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR(), input_bound=3.0)
+
+
+# --- bounds must be stated, never assumed ------------------------------------------------
+
+class _Times10(L.DPLayer, keras.layers.Layer):
+    """×10 with no bounds stated: the bound pass must not take it for the identity."""
+
+    def call(self, inputs):
+        return 10.0 * inputs
+
+
+class _StatedTimes10(_Times10):
+    """The same ×10 with its bounds stated."""
+
+    def propagate_inputs(self, input_bound):
+        return 10.0 * input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return 10.0 * gradient_bound
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        return {}
+
+
+class _ReLUTimes10(L.DP_ReLU):
+    """Redefines the call of an opted-in layer and keeps its (identity) bounds."""
+
+    def call(self, inputs):
+        return 10.0 * super().call(inputs)
+
+
+def _replaced_call(name):
+    layer = L.DP_ReLU(name=name)
+    layer.call = lambda inputs: 10.0 * inputs
+    return layer
+
+
+def _scaled_stack(layer):
+    model = kdp.DP_Sequential([
+        L.DP_BoundedInput((6,), upper_bound=1.0), L.DP_QuickSpectralDense(6), layer,
+        L.DP_QuickSpectralDense(3),
+    ], **_dp_kwargs((6,), 3))
+    model.build((None, 6))
+    return model
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _Times10(name="times10"),
+    lambda: _ReLUTimes10(name="times10"),
+    lambda: _replaced_call("times10"),
+], ids=["no_bounds", "call_redefined", "call_replaced"])
+def test_layer_without_stated_bounds_is_refused(make):
+    model = _scaled_stack(make())
+    with pytest.raises(BoundError, match="times10"):
+        kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR())
+    with pytest.raises(BoundError, match="times10"):
+        kdp.lipschitz_constant(model)
+
+
+def test_stated_bounds_of_a_scaling_layer_are_sound():
+    model = _scaled_stack(_StatedTimes10())
+    loss = losses.DP_MulticlassKR()
+    x, y = random_batch(model)
+    worst, bad = check_soundness(model, loss, on_sphere(x, 1.0), y)
+    assert not bad and worst > 0.5, (worst, bad)
+    assert kdp.lipschitz_constant(model) == pytest.approx(10.0)
+
+
+class _Sequential10(keras.Sequential):
+    def call(self, inputs, training=None, mask=None):
+        return 10.0 * super().call(inputs, training=training, mask=mask)
+
+
+class _Functional10(keras.Model):
+    def call(self, inputs, training=None, mask=None):
+        return 10.0 * super().call(inputs, training=training, mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "nested"])
+def test_model_with_its_own_call_is_refused(kind):
+    layers = [L.DP_BoundedInput((4,), 1.0), L.DP_QuickSpectralDense(3)]
+    if kind == "functional":
+        inputs = keras.Input((4,))
+        model = _Functional10(inputs, layers[1](layers[0](inputs)), name="own_call")
+    else:
+        model = _Sequential10(layers, name="own_call")
+        if kind == "nested":
+            model = keras.Sequential([keras.Input((4,)), model])
+    model.build((None, 4))
+    x = np.ones((1, 4), "float32")
+    # the model computes 10× what its layer graph (the bound pass's view) computes
+    np.testing.assert_allclose(model(x), 10.0 * np.asarray(keras.Sequential(layers)(x)), rtol=1e-6)
+    with pytest.raises(BoundError, match="own_call.*overrides call"):
+        kdp.compute_gradient_bounds(model, losses.DP_MulticlassKR())
+    with pytest.raises(BoundError, match="own_call"):
+        kdp.lipschitz_constant(model)
+
+
+# --- float32 precision of the projections (TF32 emulated on the CPU) -----------------------
+
+from kdp import lipschitz  # noqa: E402
+
+
+def _round_to_tf32(x):
+    """``x`` rounded to nearest (even) with 10 stored mantissa bits, as TF32 does."""
+    bits = ops.view(x, "int32")
+    odd = ops.bitwise_and(ops.right_shift(bits, 13), 1)
+    return ops.view(ops.bitwise_and(bits + 0x0FFF + odd, -8192), "float32")
+
+
+def _is_float32(x):
+    return keras.backend.standardize_dtype(x.dtype) == "float32"
+
+
+@pytest.fixture
+def emulated_tf32(monkeypatch):
+    """The backend's float32 matmuls behave as on an Ampere or later GPU: inputs
+    rounded to TF32, accumulation in float32. JAX: unless the product asks for
+    ``precision=HIGHEST`` (or the default precision is float32); TensorFlow: while
+    TF32 execution is enabled (its default). kdp is told an accelerator is visible."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        original = jax.numpy.matmul
+
+        def full_precision(precision):
+            if precision is None:
+                return jax.config.jax_default_matmul_precision in ("float32", "highest")
+            ps = precision if isinstance(precision, (tuple, list)) else (precision,)
+            return all(jax.lax.Precision(p) == jax.lax.Precision.HIGHEST for p in ps)
+
+        def matmul(a, b, *args, precision=None, **kwargs):
+            if not full_precision(precision) and _is_float32(a) and _is_float32(b):
+                a, b = _round_to_tf32(a), _round_to_tf32(b)
+            return original(a, b, *args, precision=precision, **kwargs)
+
+        monkeypatch.setattr(jax.numpy, "matmul", matmul)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        original = tf.linalg.matmul
+
+        def matmul(a, b, *args, **kwargs):
+            a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+            if (tf.config.experimental.tensor_float_32_execution_enabled()
+                    and _is_float32(a) and _is_float32(b)):
+                a, b = _round_to_tf32(a), _round_to_tf32(b)
+            return original(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(tf, "matmul", matmul)
+        monkeypatch.setattr(tf.linalg, "matmul", matmul)
+        enabled = tf.config.experimental.tensor_float_32_execution_enabled()
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+    else:
+        pytest.skip("TF32 emulation for JAX and TensorFlow only")
+    monkeypatch.setattr(lipschitz, "_accelerator_visible", lambda: True, raising=False)
+    yield
+    if backend == "tensorflow":
+        tf.config.experimental.enable_tensor_float_32_execution(enabled)
+
+
+def _relative_error(product, a, b):
+    exact = a.astype("float64") @ b.astype("float64")
+    return float(np.abs(np.asarray(product, "float64") - exact).max() / np.abs(exact).max())
+
+
+def test_precise_matmul_is_float32_accurate_under_tf32(emulated_tf32, rng):
+    a = rng.normal(size=(64, 48)).astype("float32")
+    b = rng.normal(size=(48, 32)).astype("float32")
+    plain = _relative_error(ops.matmul(a, b), a, b)
+    precise = _relative_error(lipschitz.precise_matmul(a, b), a, b)
+    a_t, b_t = ops.convert_to_tensor(a), ops.convert_to_tensor(b)
+    split = _relative_error(lipschitz.split_matmul(a_t, b_t), a, b)
+    print(f"relative error under emulated TF32: ops.matmul {plain:.2e}, "
+          f"precise_matmul {precise:.2e}, split_matmul {split:.2e}")
+    assert plain > 1e-4  # the emulation is on
+    assert precise < 1e-6 and split < 1e-6
+
+
+def _sigma_max(w):
+    return float(np.linalg.svd(np.asarray(w, "float64"), compute_uv=False)[0])
+
+
+def _projected_sigmas(projection, w, times):
+    sigmas = []
+    for _ in range(times):
+        w = projection(w)
+        sigmas.append(_sigma_max(w))
+    return sigmas
+
+
+@pytest.mark.parametrize("projection,times", [
+    (L.OrthogonalProjection(iterations=1), 5),
+    (L.OrthogonalProjection(15, 1e-5), 1),
+], ids=["quick_x5", "full"])
+def test_projection_certified_under_tf32(projection, times, emulated_tf32, monkeypatch):
+    """Under TF32 products the projection leaves ‖W‖₂ above 1 + FLOAT_MARGIN
+    (the reproduction); kdp's own products are not affected."""
+    w = ops.convert_to_tensor(np.random.default_rng(3).normal(size=(64, 32)), "float32")
+    with monkeypatch.context() as m:  # the projection with plain `ops.matmul` products
+        m.setattr(lipschitz, "precise_matmul", ops.matmul, raising=False)
+        reduced = _projected_sigmas(projection, w, times)
+    certified = _projected_sigmas(projection, w, times)
+    print(f"σ_max with TF32 products {max(reduced):.7f}, with kdp's products "
+          f"{max(certified):.7f} (1 + FLOAT_MARGIN = {1 + lipschitz.FLOAT_MARGIN})")
+    assert max(reduced) > 1 + lipschitz.FLOAT_MARGIN
+    assert max(certified) <= 1 + lipschitz.FLOAT_MARGIN

@@ -1,7 +1,7 @@
 """kdp's DP layers: Keras layers with the per-example bound protocol."""
 
 from kdp.layers.activations import DP_GroupSort, DP_ReLU
-from kdp.layers.base import DPLayer
+from kdp.layers.base import DPLayer, DPNormNonIncreasingLayer
 from kdp.layers.bias import DP_AddBias
 from kdp.layers.centering import DP_LayerCentering
 from kdp.layers.clip import DP_ClipGradient
@@ -14,7 +14,8 @@ from kdp.layers.residual import DP_Add, DP_Residual, make_residuals
 from kdp.layers.shape import DP_Flatten, DP_Reshape
 
 __all__ = [
-    "DPLayer", "DP_AddBias", "DP_Add", "DP_BoundedInput", "DP_ClipGradient", "DP_Flatten",
+    "DPLayer", "DPNormNonIncreasingLayer", "DP_AddBias", "DP_Add", "DP_BoundedInput",
+    "DP_ClipGradient", "DP_Flatten",
     "DP_GroupSort", "DP_LayerCentering", "DP_QuickSpectralConv2D", "DP_QuickSpectralDense",
     "DP_ReLU", "DP_Reshape", "DP_Residual", "DP_ScaledGlobalL2NormPooling2D",
     "DP_ScaledL2NormPooling2D", "DP_SpectralConv2D", "DP_SpectralDense", "BallProjection",

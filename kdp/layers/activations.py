@@ -1,13 +1,13 @@
-"""1-Lipschitz, zero-preserving activations (protocol defaults: X and G unchanged)."""
+"""1-Lipschitz, zero-preserving activations (`DPNormNonIncreasingLayer`: X and G unchanged)."""
 
 import keras
 from keras import ops
 
-from kdp.layers.base import DPLayer, serializable
+from kdp.layers.base import DPNormNonIncreasingLayer, serializable
 
 
 @serializable
-class DP_GroupSort(DPLayer, keras.layers.Layer):
+class DP_GroupSort(DPNormNonIncreasingLayer, keras.layers.Layer):
     """Sorts the last axis within consecutive groups of ``group_size`` channels.
 
     A permutation of each example's coordinates: norm preserving and gradient
@@ -43,7 +43,7 @@ class DP_GroupSort(DPLayer, keras.layers.Layer):
 
 
 @serializable
-class DP_ReLU(DPLayer, keras.layers.Layer):
+class DP_ReLU(DPNormNonIncreasingLayer, keras.layers.Layer):
     """ReLU: 1-Lipschitz and ``‖relu(x)‖ ≤ ‖x‖`` (not gradient-norm preserving)."""
 
     def call(self, inputs):

@@ -14,23 +14,59 @@ A layer answers three questions (lip-dp's protocol, Béthune et al. 2024, Alg. 1
 * ``backpropagate_params(X, G) -> {variable.path: bound}``: a bound on the
   norm of one example's loss gradient for each trainable variable.
 
-The defaults below are those of a parameterless layer that is 1-Lipschitz and
-norm non-increasing with ``f(0) = 0`` (ReLU, GroupSort, pooling, reshapes):
-such layers inherit them and write nothing else.
+`DPLayer` gives no answer by default: a layer states its three bounds, or opts
+into those of a parameterless 1-Lipschitz map with ``f(0) = 0`` by inheriting
+`DPNormNonIncreasingLayer`. The bound pass (`kdp.bounds`) refuses a layer that
+does neither, or whose class redefines ``call`` below the class that stated
+the bounds.
 """
 
 import keras
 
+#: the three methods of the protocol.
+BOUND_METHODS = ("propagate_inputs", "backpropagate_inputs", "backpropagate_params")
+
+
+def _not_stated(layer, method):
+    return NotImplementedError(
+        f"{type(layer).__name__} ({getattr(layer, 'name', layer)!r}) does not state "
+        f"{method}: implement the three bound methods, or inherit "
+        "DPNormNonIncreasingLayer for a parameterless 1-Lipschitz layer with f(0) = 0."
+    )
+
 
 class DPLayer:
-    """Mixin that marks a Keras layer as a kdp DP layer and gives it the protocol.
+    """Mixin that marks a Keras layer as a kdp DP layer.
+
+    A subclass must implement `propagate_inputs`, `backpropagate_inputs` and
+    `backpropagate_params` (the versions here raise), or inherit
+    `DPNormNonIncreasingLayer`.
 
     Attributes:
-        nm_coef: public per-layer noise coefficient ``c_v`` (DESIGN §3.3) used by
-            the ``"per-layer"`` noise strategy for this layer's variables.
+        nm_coef: public per-layer noise coefficient ``c_v`` used by the
+            ``"per-layer"`` noise strategy for this layer's variables.
     """
 
     nm_coef = 1.0
+
+    def propagate_inputs(self, input_bound):
+        raise _not_stated(self, "propagate_inputs")
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        raise _not_stated(self, "backpropagate_inputs")
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        raise _not_stated(self, "backpropagate_params")
+
+
+class DPNormNonIncreasingLayer(DPLayer):
+    """Opt-in bounds of a parameterless, 1-Lipschitz layer ``f`` with ``f(0) = 0``.
+
+    Then ``‖f(x)‖ = ‖f(x) − f(0)‖ ≤ ‖x‖`` and ``‖Jᵀg‖ ≤ ‖g‖``: ``X_out = X``,
+    ``G_in = G``, no parameter bound (ReLU, GroupSort, L2-norm pooling, reshapes,
+    centering). Inheriting it is a claim about the inheriting class's ``call``;
+    a subclass that redefines ``call`` must state its bounds again.
+    """
 
     def propagate_inputs(self, input_bound):
         return input_bound

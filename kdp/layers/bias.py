@@ -41,6 +41,9 @@ class DP_AddBias(DPLayer, keras.layers.Layer):
     def propagate_inputs(self, input_bound):
         return input_bound + math.sqrt(self.positions) * self.norm_max
 
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound  # the Jacobian in x is the identity
+
     def backpropagate_params(self, input_bound, gradient_bound):
         return {self.bias.path: math.sqrt(self.positions) * gradient_bound}
 

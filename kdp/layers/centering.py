@@ -3,13 +3,13 @@
 import keras
 from keras import ops
 
-from kdp.layers.base import DPLayer, serializable
+from kdp.layers.base import DPNormNonIncreasingLayer, serializable
 
 _AXES = ("channels", "spatial", "all")
 
 
 @serializable
-class DP_LayerCentering(DPLayer, keras.layers.Layer):
+class DP_LayerCentering(DPNormNonIncreasingLayer, keras.layers.Layer):
     """Subtracts the mean over **non-batch** axes of each example.
 
     ``x ↦ (I − 𝟙𝟙ᵀ/n) x`` on each group of averaged coordinates: an orthogonal

@@ -78,6 +78,9 @@ class DP_ClipGradient(DPLayer, keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    def propagate_inputs(self, input_bound):
+        return input_bound  # the identity forward
+
     def backpropagate_inputs(self, input_bound, gradient_bound):
         """``min(G, C)`` with ``C`` read from ``clip_variable``: a Python float
         when run eagerly, a tensor inside a traced function (the training step),
@@ -85,6 +88,9 @@ class DP_ClipGradient(DPLayer, keras.layers.Layer):
         `kdp.bounds.compute_gradient_bounds`)."""
         return concrete_or_tensor(
             ops.minimum(gradient_bound, ops.convert_to_tensor(self.clip_variable)))
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        return {}  # the threshold is not trainable
 
     def get_config(self):
         return {**super().get_config(), "clip_value": self.clip_value}

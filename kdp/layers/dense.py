@@ -13,7 +13,17 @@ FULL_TOLERANCE = 1e-5
 
 
 class _OrthogonalKernelMixin:
-    """Shared pieces of the orthogonal dense and conv layers."""
+    """Shared pieces of the orthogonal dense and conv layers.
+
+    Both are linear maps of operator norm ≤ 1 (see their docstrings), so
+    ``X_out = X`` and ``G_in = G``.
+    """
+
+    def propagate_inputs(self, input_bound):
+        return input_bound
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound
 
     def _kernel_constraint(self, scale):
         if self.quick:

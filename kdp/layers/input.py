@@ -39,6 +39,12 @@ class DP_BoundedInput(DPLayer, keras.layers.Layer):
             return self.upper_bound
         return min(self.upper_bound, input_bound)
 
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return gradient_bound  # a projection onto a convex set is 1-Lipschitz
+
+    def backpropagate_params(self, input_bound, gradient_bound):
+        return {}
+
     def get_config(self):
         return {**super().get_config(), "input_shape": self.example_shape,
                 "upper_bound": self.upper_bound}

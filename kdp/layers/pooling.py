@@ -1,9 +1,9 @@
-"""L2-norm pooling: 1-Lipschitz, norm non-increasing (protocol defaults)."""
+"""L2-norm pooling: 1-Lipschitz, norm non-increasing (`DPNormNonIncreasingLayer`)."""
 
 import keras
 from keras import ops
 
-from kdp.layers.base import DPLayer, serializable
+from kdp.layers.base import DPNormNonIncreasingLayer, serializable
 
 # sqrt(s + EPS) - sqrt(EPS) is smooth at 0, never exceeds sqrt(s), and its
 # gradient x / sqrt(|x|² + EPS) has norm < 1: the eps cannot break the bounds.
@@ -15,7 +15,7 @@ def _safe_norm_from_squares(s):
 
 
 @serializable
-class DP_ScaledL2NormPooling2D(DPLayer, keras.layers.Layer):
+class DP_ScaledL2NormPooling2D(DPNormNonIncreasingLayer, keras.layers.Layer):
     """Non-overlapping pooling of ``(batch, H, W, C)`` inputs by the L2 norm of each window.
 
     ``y[i, j, c] = ‖x[window(i, j), c]‖₂``. Windows are disjoint (stride = pool
@@ -50,7 +50,7 @@ class DP_ScaledL2NormPooling2D(DPLayer, keras.layers.Layer):
 
 
 @serializable
-class DP_ScaledGlobalL2NormPooling2D(DPLayer, keras.layers.Layer):
+class DP_ScaledGlobalL2NormPooling2D(DPNormNonIncreasingLayer, keras.layers.Layer):
     """``(batch, H, W, C) -> (batch, C)``: the L2 norm of each channel over space.
 
     ``Σ_c y_c² = ‖x‖²``: norm preserving and 1-Lipschitz.

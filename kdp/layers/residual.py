@@ -102,6 +102,9 @@ class DP_Add(DPLayer, keras.layers.Layer):
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return [self.scale * gradient_bound for _ in input_bound]
 
+    def backpropagate_params(self, input_bound, gradient_bound):
+        return {}
+
     def get_config(self):
         return {**super().get_config(), "scale": self.scale}
 
