@@ -52,6 +52,27 @@ def compile_function(fn):
     return fn
 
 
+def trace_shapes(fn, shape, dtype):
+    """Run ``fn`` on an abstract tensor of static ``shape`` (shapes only, no compute).
+
+    ``jax.eval_shape`` / a `tf.function` trace; ``fn``'s side effects (e.g.
+    recorded intermediate tensors, whose static shapes can be read) happen
+    once, inside the trace. Usable eagerly and inside a traced training step.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        jax.eval_shape(fn, jax.ShapeDtypeStruct(tuple(shape), dtype))
+        return
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.function(fn, autograph=False).get_concrete_function(tf.TensorSpec(tuple(shape), dtype))
+        return
+    raise NotImplementedError(f"trace_shapes supports jax and tensorflow, not {backend!r}")
+
+
 def per_example_gradients(model, loss, x, y):
     """Gradient of every example's own loss, vectorized over the batch.
 

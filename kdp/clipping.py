@@ -42,9 +42,12 @@ multiplier ``σ``, recorded in the same ledger as the clipless path.
 
 import math
 import warnings
+import weakref
 
 import keras
+import numpy as np
 from keras import ops
+from keras.src.models.functional import Functional
 
 from kdp import autodiff
 
@@ -123,6 +126,66 @@ def _is_ghost_dense(layer):
     )
 
 
+def _runs_its_graph(layer):
+    """A Functional or Sequential model whose ``call`` is the stock one (runs its graph)."""
+    return isinstance(layer, keras.Model) and type(layer).call in (Functional.call, keras.Sequential.call)
+
+
+def _graph_layers(model):
+    """The layers that ``model``'s graph calls directly (through nested graph models)."""
+    if not _runs_its_graph(model):
+        return []
+    out = []
+    for layer in model.layers:
+        out.extend(_graph_layers(layer) if _runs_its_graph(layer) else [layer])
+    return list({id(layer): layer for layer in out}.values())
+
+
+_PLAN_BATCHES = (2, 3)
+_GHOST_PLANS = weakref.WeakKeyDictionary()  # model -> {(input spec, layers): ids of ghost layers}
+
+
+def ghost_dense_layers(model, x):
+    """The Dense layers whose per-example norms ghost clipping may compute.
+
+    Ghost norms take row ``i`` of a Dense input to be example ``i``. A layer
+    qualifies if it is a plain `Dense` (`_is_ghost_dense`) called by the model's
+    graph directly (also through nested Functional / Sequential models) and a
+    shape-only trace of ``model(x, training=True)`` at batch sizes 2 and 3 shows
+    every one of its calls made by the graph itself (not from inside another
+    layer's ``call``) on an input whose leading dimension is that batch size.
+    Any other Dense, e.g. one applied by a custom layer to ``(batch·T, d)``
+    rows, is left to the exact vectorized per-example path.
+
+    Args:
+        model: a built model; x: a batch (only its non-batch shape and dtype are used).
+
+    Returns:
+        A list of layers.
+    """
+    graph = _graph_layers(model)
+    candidates = [layer for layer in graph if _is_ghost_dense(layer)]
+    if not candidates:
+        return []
+    spec = tuple(x.shape[1:]), keras.backend.standardize_dtype(x.dtype)
+    key = (spec, tuple(id(layer) for layer in graph), tuple(id(layer) for layer in candidates))
+    cache = _GHOST_PLANS.setdefault(model, {})
+    if key not in cache:
+        ok = {id(layer): True for layer in candidates}
+        called = set()
+        with _GhostDense(candidates, watch=graph) as ctx:
+            for b in _PLAN_BATCHES:
+                ctx.records = []
+                autodiff.trace_shapes(lambda t: model(t, training=True), (b,) + spec[0], spec[1])
+                for layer, a, nested in ctx.records:
+                    called.add(id(layer))
+                    if nested or a.shape[0] != b:
+                        ok[id(layer)] = False
+            ctx.records = []
+        cache[key] = frozenset(i for i in called if ok[i])
+    return [layer for layer in candidates if id(layer) in cache[key]]
+
+
 def clipping_groups(model):
     """``{layer name: [variable paths]}``: the clipping groups of ``"per-layer"``."""
     owners = _owners(model)
@@ -166,7 +229,9 @@ def check_model(model):
       in a trainable state (frozen ones run in inference mode: a warning);
     * stochastic layers (Dropout, GaussianNoise, ...) are refused: the
       per-example passes would not see the forward pass's random draws;
-    * activity regularizers (data-dependent penalties) are refused.
+    * activity regularizers (data-dependent penalties) are refused;
+    * any other mixing of examples is refused by a functional probe
+      (`_check_examples_independent`): e.g. a Lambda centring over the batch axis.
     """
     loss = model.loss
     if not isinstance(loss, keras.losses.Loss):
@@ -198,7 +263,104 @@ def check_model(model):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ClippingError(f"{layer.name}: activity regularizers depend on the data; remove it")
     group_clipping_norms(model)  # validates a per-layer dict
+    _check_examples_independent(model)
     return {}
+
+
+_PROBE_ROWS = 4
+
+
+def _probe_batch(model, rng):
+    """A small random batch shaped like the model's inputs: ``(list of arrays, rows)``."""
+    meta = model.dataset_metadata
+    specs = list(getattr(model, "inputs", None) or [keras.KerasTensor((None,) + meta.input_shape)])
+    rows = specs[0].shape[0] or _PROBE_ROWS
+    xs = []
+    for spec in specs:
+        fill = meta.input_shape if len(specs) == 1 and len(meta.input_shape) == len(spec.shape) - 1 else None
+        shape = [rows] + [d if d is not None else (fill[i] if fill else 3) for i, d in enumerate(spec.shape[1:])]
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if "int" in dtype or dtype == "bool":
+            xs.append(rng.integers(0, 2, shape).astype(dtype))
+        else:
+            xs.append(rng.normal(size=shape).astype(dtype))
+    return xs, rows
+
+
+def _perturb_row(x, k, rng):
+    x = x.copy()
+    if x.dtype.kind in "iub":
+        x[k] = (1 - x[k].astype("int64")).astype(x.dtype)
+    else:
+        x[k] = rng.normal(size=x[k].shape).astype(x.dtype)
+    return x
+
+
+def _same(a, b):
+    """Equal up to 1e-4 (1e-2 for 16-bit values) of the largest magnitude."""
+    rtol = 1e-2 if np.asarray(a).dtype.itemsize <= 2 else 1e-4
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    if a.shape != b.shape:
+        return False
+    scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
+    return bool(np.allclose(a, b, rtol=0.0, atol=rtol * scale, equal_nan=True))
+
+
+def _check_examples_independent(model):
+    """Refuse a model whose output for one example depends on other examples.
+
+    Per-example clipping bounds one example's contribution only if example
+    ``i``'s loss depends on example ``i`` alone (Abadi et al. 2016). Functional
+    probe, in training and inference mode, on a small random batch: perturbing
+    or removing row ``k`` must leave every other row of every output unchanged
+    (`_same`), and every input row of a ghost-clipped Dense
+    (`ghost_dense_layers`) other than ``k``.
+
+    Raises:
+        ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
+    """
+    rng = np.random.default_rng(0)
+    xs, rows = _probe_batch(model, rng)
+    fixed_batch = model.inputs[0].shape[0] is not None if getattr(model, "inputs", None) else False
+    ghost = ghost_dense_layers(model, xs[0]) if len(xs) == 1 else []
+    trainable = [v.value for v in model.trainable_variables]
+    others = [v.value for v in model.non_trainable_variables]
+
+    def run(batch, training):
+        with _GhostDense(ghost) as ctx:
+            out, _ = model.stateless_call(trainable, others, batch if len(batch) > 1 else batch[0],
+                                          training=training)
+            dense = [(layer, ops.convert_to_numpy(a)) for layer, a, _ in ctx.records]
+        return [ops.convert_to_numpy(o) for o in keras.tree.flatten(out)], dense
+
+    def refuse(how, training):
+        raise ClippingError(
+            f"{model.name}: the output for one example changes when another example of the batch "
+            f"is {how} (training={training}): a layer mixes the examples of a batch (e.g. statistics "
+            "or a mean over the batch axis), so clipping per example does not bound one example's "
+            "contribution. Per-example clipping needs each example's output to depend on that "
+            "example alone."
+        )
+
+    for training in (True, False):
+        ref, ref_dense = run(xs, training)
+        if any(len(o.shape) == 0 or o.shape[0] != rows for o in ref):
+            raise ClippingError(f"{model.name}: every output must have one row per example (batch axis first)")
+        for k in sorted({0, rows - 1}):
+            out, dense = run([_perturb_row(x, k, rng) for x in xs], training)
+            if not all(_same(np.delete(a, k, 0), np.delete(b, k, 0)) for a, b in zip(ref, out)):
+                refuse("perturbed", training)
+            for (layer, a), (_, b) in zip(ref_dense, dense):
+                if not _same(np.delete(a, k, 0), np.delete(b, k, 0)):
+                    raise ClippingError(
+                        f"{layer.name}: the rows of this Dense layer's input are not the examples of "
+                        "the batch (an earlier layer moves data across rows), so its gradient cannot "
+                        "be clipped per example; keep the batch axis of the tensors between layers."
+                    )
+            if not fixed_batch and rows > 1:
+                out, _ = run([np.delete(x, k, 0) for x in xs], training)
+                if not all(_same(np.delete(a, k, 0), b) for a, b in zip(ref, out)):
+                    refuse("removed", training)
 
 
 # --- the clipped gradient sum ------------------------------------------------------------
@@ -212,29 +374,58 @@ def per_example_loss(loss, y, y_pred):
     return values
 
 
-class _GhostDense:
-    """Swaps the ``call`` of covered Dense layers for one that probes ``z = aW + b``."""
+_MISSING = object()
 
-    def __init__(self, layers):
-        self.layers = layers
-        self.probe = None
-        self.records = []
+
+class _GhostDense:
+    """Swaps the ``call`` of covered Dense layers for one that records its input
+    and passes ``z = aW + b`` through ``probe``; calls of the ``watch`` layers mark
+    the Dense calls made from inside them as nested."""
+
+    def __init__(self, layers, watch=()):
+        self.layers = list(layers)
+        covered = {id(layer) for layer in self.layers}
+        self.watch = [layer for layer in watch if id(layer) not in covered]
+        self.probe = lambda z: z
+        self.records = []  # (layer, input, nested)
+        self._depth = 0
+        self._saved = []
 
     def __enter__(self):
         for layer in self.layers:
-            object.__setattr__(layer, "call", self._make_call(layer))
+            self._patch(layer, self._make_call(layer))
+        for layer in self.watch:
+            self._patch(layer, self._make_marker(layer.call))
         return self
 
     def __exit__(self, *exc):
-        for layer in self.layers:
-            object.__delattr__(layer, "call")
+        for layer, old in reversed(self._saved):
+            if old is _MISSING:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", old)
+        self._saved = []
+
+    def _patch(self, layer, call):
+        self._saved.append((layer, layer.__dict__.get("call", _MISSING)))
+        object.__setattr__(layer, "call", call)
+
+    def _make_marker(self, inner):
+        def call(*args, **kwargs):
+            self._depth += 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return call
 
     def _make_call(self, layer):
         def call(inputs, training=None):
             z = ops.matmul(inputs, layer.kernel)
             if layer.bias is not None:
                 z = ops.add(z, layer.bias)
-            self.records.append((layer, inputs))
+            self.records.append((layer, inputs, self._depth > 0))
             z = self.probe(z)
             return layer.activation(z) if layer.activation is not None else z
 
@@ -244,12 +435,12 @@ class _GhostDense:
         def run(probe):
             self.probe, self.records = probe, []
             values = per_example_loss(loss, y, model(x, training=True))
-            return values, [a for _, a in self.records]
+            return values, [a for _, a, _ in self.records]
 
         return run
 
     def layers_of_calls(self):
-        return [layer for layer, _ in self.records]
+        return [layer for layer, _, _ in self.records]
 
 
 def _as_sequence(t):
@@ -281,8 +472,9 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
     Args:
         model: a DP model in clipping mode (compiled).
         x, y: one batch; weights: per-example weights in ``[0, 1]`` (default 1).
-        ghost: use the ghost (book-keeping) path for Dense layers; ``False``
-            computes every per-example gradient with vectorized autodiff.
+        ghost: use the ghost (book-keeping) path for the Dense layers of
+            `ghost_dense_layers`; ``False`` computes every per-example gradient
+            with vectorized autodiff.
     """
     loss = model.loss
     x = ops.convert_to_tensor(x)
@@ -298,13 +490,7 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
     def group(v):
         return None if flat else owners[id(v)].name
 
-    dense = []
-    if ghost:
-        seen = set()
-        for layer in model._flatten_layers(include_self=False):
-            if _is_ghost_dense(layer) and id(layer) not in seen:
-                seen.add(id(layer))
-                dense.append(layer)
+    dense = ghost_dense_layers(model, x) if ghost else []
     dense_ids = {id(l) for l in dense}
     others = [v for v in trainable if id(owners.get(id(v))) not in dense_ids]
 
@@ -322,6 +508,8 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
             _, inputs, cotangents = autodiff.probe_cotangents(run, weights)
             called = ghost_ctx.layers_of_calls()
         for layer, a, g in zip(called, inputs, cotangents):
+            if a.shape[0] is not None and x.shape[0] is not None and a.shape[0] != x.shape[0]:
+                raise ClippingError(f"{layer.name}: input rows {a.shape[0]} != batch {x.shape[0]}")
             calls.setdefault(id(layer), (layer, [], []))
             calls[id(layer)][1].append(_as_sequence(ops.cast(a, g.dtype)))
             calls[id(layer)][2].append(_as_sequence(g))
@@ -422,5 +610,5 @@ def clipped_objective(model, x, y, values, sample_weight):
 
 __all__ = [
     "CLIPPING_MODES", "ClippingError", "check_model", "clipped_gradient_sum", "clipped_objective",
-    "clipping_groups", "group_clipping_norms", "noise_stds", "total_clipping_norm",
+    "clipping_groups", "ghost_dense_layers", "group_clipping_norms", "noise_stds", "total_clipping_norm",
 ]

@@ -17,6 +17,7 @@ from kdp import audit, clipping
 from kdp.autodiff import gradient
 from kdp.model import DP_Model, DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
+from kdp.training.budget import batch_mechanism
 
 N, BATCH = 200, 16
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -120,7 +121,7 @@ def test_clipped_sum_matches_brute_force(kind, mode):
     model, x, y, w = _build(kind, mode=mode)
     per_example = _brute_force(model, x, y, w)
     c = _median_norm(per_example)  # about half the examples are clipped
-    model.dp_parameters.clipping_norm = c
+    model.dp_parameters = model.dp_parameters.replace(clipping_norm=c)
     expected = _clip_by_hand(model, per_example, mode, c)
     unclipped = {p: sum(g[p] for g in per_example) for p in expected}
     for ghost in (True, False):
@@ -152,7 +153,8 @@ def test_virtual_batches_equal_one_batch():
 
 
 def _objective_gradient(model, x, y, w):
-    """∇ of the real training objective (`stateless_compute_loss`, training=True)."""
+    """∇ of the real training objective (`stateless_compute_loss`, training=True),
+    inside the privacy gate (recorded as one step, as any noisy objective)."""
     y_pred = model(x)
     others = [v.value for v in model.non_trainable_variables]
     metrics = [v.value for v in model.metrics_variables]
@@ -162,7 +164,8 @@ def _objective_gradient(model, x, y, w):
                                                sample_weight=w, training=True)
         return loss
 
-    return gradient(objective, *[v.value for v in model.trainable_variables])
+    with model.privacy_gate.spend(batch_mechanism(model.privacy_spec())):
+        return gradient(objective, *[v.value for v in model.trainable_variables])
 
 
 @pytest.mark.parametrize("physical_batch_size", [None, 6])
@@ -277,7 +280,7 @@ def test_other_errors():
         DPParameters(clipping_norm={"dense": 1.0})
     bad = _dp_sequential([keras.Input((6,)), keras.layers.Dense(3, name="head")],
                          clipping="per-layer")
-    bad.dp_parameters.clipping_norm = {"nope": 1.0}
+    bad.dp_parameters = bad.dp_parameters.replace(clipping_norm={"nope": 1.0})
     with pytest.raises(clipping.ClippingError, match="missing"):
         bad.check_dp()
 
@@ -288,3 +291,110 @@ def test_config_round_trip():
     again = DPParameters.from_config(params.get_config())
     assert again.get_config() == params.get_config()
     assert clipping.total_clipping_norm(again) == pytest.approx(math.sqrt(5.0))
+
+
+# --- one example, one clipped contribution ---------------------------------------------
+
+T_FOLD, D_FOLD, C_FOLD = 12, 4, 0.5
+
+
+class _TimeFold(keras.layers.Layer):
+    """Applies a Dense sub-layer to every time step: ``(b, T, d) -> (b·T, d) -> Dense -> (b, T, u)``."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units)
+
+    def build(self, input_shape):
+        self.dense.build((None, input_shape[-1]))
+
+    def call(self, t):
+        z = self.dense(keras.ops.reshape(t, (-1, t.shape[-1])))
+        return keras.ops.reshape(z, (-1, t.shape[1], self.dense.units))
+
+
+def _folded(kind):
+    inputs = keras.Input((T_FOLD, D_FOLD))
+    if kind == "custom_layer":
+        h = _TimeFold(3)(inputs)
+    else:  # the graph itself folds time into rows around a top-level Dense
+        h = keras.layers.Lambda(lambda t: keras.ops.reshape(t, (-1, D_FOLD)), output_shape=(D_FOLD,))(inputs)
+        h = keras.layers.Dense(3)(h)
+        h = keras.layers.Lambda(lambda t: keras.ops.reshape(t, (-1, T_FOLD, 3)), output_shape=(T_FOLD, 3))(h)
+    return inputs, keras.layers.GlobalAveragePooling1D()(h)
+
+
+def _contributions(model, x, y):
+    """``‖ḡ(batch) − ḡ(batch with example k weighted 0)‖`` for every example ``k``."""
+    w = np.ones(len(x), "float32")
+    full = clipping.clipped_gradient_sum(model, x, y, w)
+    out = []
+    for k in range(len(x)):
+        w_k = w.copy()
+        w_k[k] = 0.0
+        part = clipping.clipped_gradient_sum(model, x, y, w_k)
+        out.append(math.sqrt(sum(float(np.sum((np.asarray(full[p], "float64")
+                                               - np.asarray(part[p], "float64")) ** 2)) for p in full)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["custom_layer", "graph_lambda"])
+def test_dense_on_folded_time_steps_is_clipped_per_example(kind):
+    """A Dense that sees ``b·T`` rows is clipped per example, not per row (was T·C = 6.0)."""
+    keras.utils.set_random_seed(0)
+    inputs, outputs = _folded(kind)
+    model = DP_Model(inputs, outputs, dp_parameters=DPParameters(delta=1e-3, clipping_norm=C_FOLD),
+                     dataset_metadata=DatasetMetadata((T_FOLD, D_FOLD), 3, N, 8))
+    model.compile(optimizer="sgd", loss=SCCE)
+    model.check_dp()  # each example's output depends on that example alone: accepted
+    rng = np.random.default_rng(0)
+    x = np.repeat(30 * rng.normal(size=(8, 1, D_FOLD)), T_FOLD, axis=1).astype("float32")  # equal steps
+    y = np.argmin(np.asarray(model(x)), axis=1)  # wrong labels: large per-step gradients
+    contributions = _contributions(model, x, y)
+    assert max(contributions) <= C_FOLD * (1 + 1e-4), contributions
+    assert min(contributions) > 0.9 * C_FOLD  # every example is clipped: the bound is attained
+    exact = clipping.clipped_gradient_sum(model, x, y, ghost=False)
+    default = clipping.clipped_gradient_sum(model, x, y)
+    for p in exact:
+        assert _rel_err(default[p], exact[p]) < 1e-5
+    assert clipping.ghost_dense_layers(model, x) == []  # the folded Dense takes the exact path
+
+
+def test_ghost_dense_layers_are_the_graph_dense_on_batch_rows():
+    """Negative control: graph-level Dense layers on batch-first inputs keep the ghost path."""
+    model, x, _, _ = _build("dense")
+    ghost = clipping.ghost_dense_layers(model, x)
+    assert [layer.name for layer in ghost] == [
+        layer.name for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+    assert len(ghost) == 4
+
+
+def test_dense_whose_rows_are_not_examples_is_refused():
+    """Rows reversed around a Dense: the model is per-example, the Dense rows are not."""
+    flip = lambda t: keras.ops.flip(t, axis=0)  # noqa: E731
+    model = _dp_sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Lambda(flip), keras.layers.Dense(8, name="flipped"),
+                            keras.layers.Lambda(flip), keras.layers.Dense(3)])
+    with pytest.raises(clipping.ClippingError, match="flipped: the rows of this Dense"):
+        model.check_dp()
+
+
+def test_layers_mixing_the_batch_are_refused():
+    """Centring over the batch axis couples the examples: refused (one removal moved ḡ by > C)."""
+    keras.utils.set_random_seed(0)
+    centre = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))
+    model = _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), centre, keras.layers.Dense(3)])
+    with pytest.raises(clipping.ClippingError, match="mixes the examples of a batch"):
+        model.check_dp()
+    # The refusal matters: removing one (outlying) example moves the clipped sum by far more than C.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 6)).astype("float32")
+    x[0] *= 100.0
+    y = rng.integers(0, 3, BATCH)
+    full = clipping.clipped_gradient_sum(model, x, y)
+    rest = clipping.clipped_gradient_sum(model, x[1:], y[1:])
+    moved = math.sqrt(sum(float(np.sum((np.asarray(full[p]) - np.asarray(rest[p])) ** 2)) for p in full))
+    assert moved > 2.0
+    # Negative controls: a per-example Lambda, and no Lambda at all, are accepted.
+    for layers in ([keras.layers.Lambda(lambda t: t * 2.0)], []):
+        _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), *layers, keras.layers.Dense(3)]).check_dp()
