@@ -1,7 +1,10 @@
-"""Privacy accounting with `dp-accounting` (RDP or PLD).
+"""Privacy accounting with `dp-accounting` (RDP or PLD): pure privacy maths on
+`DpEvent`s, which never sees a model (a model's side is `kdp.training.budget`,
+whose `get_eps_delta`, `get_max_epochs` and `calibrate_model_noise` are also
+importable from here).
 
 kdp describes every private release as a `dp_accounting.DpEvent` and composes
-them in one accountant under **add/remove-one** adjacency (DESIGN §3.1):
+them in one accountant under **add/remove-one** adjacency (Dwork and Roth 2014, §2.3):
 
 * Poisson sampling (the default): each step is
   ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_eff))``;
@@ -14,7 +17,7 @@ them in one accountant under **add/remove-one** adjacency (DESIGN §3.1):
   ``steps_per_epoch`` a model gives the accountant in this mode.
 
 Per-layer noise with multipliers ``σ·c_v`` is one Gaussian mechanism with
-``σ_eff = (Σ_v (σ c_v)^-2)^(-1/2)`` (DESIGN §3.3).
+``σ_eff = (Σ_v (σ c_v)^-2)^(-1/2)``.
 """
 
 import functools
@@ -83,6 +86,41 @@ def quantile_event(noise_multiplier, sampling_rate, count=1):
     return _poisson_gaussian(noise_multiplier, sampling_rate, count, "count")
 
 
+def event_to_config(event):
+    """A JSON-serialisable dict describing ``event`` (any `dp_accounting.DpEvent`)."""
+    import attr
+
+    def convert(value):
+        if isinstance(value, dp_accounting.DpEvent):
+            return {"class_name": type(value).__name__,
+                    **{k: convert(v) for k, v in attr.asdict(value, recurse=False).items()}}
+        if isinstance(value, (list, tuple)):
+            return [convert(v) for v in value]
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            return value
+        raise ValueError(f"cannot serialise {value!r} in a DpEvent")
+
+    if not isinstance(event, dp_accounting.DpEvent):
+        raise TypeError(f"expected a dp_accounting.DpEvent, got {event!r}")
+    return convert(event)
+
+
+def event_from_config(config):
+    """The `dp_accounting.DpEvent` described by `event_to_config`'s dict."""
+    def convert(value):
+        if isinstance(value, dict):
+            value = dict(value)
+            cls = getattr(dp_accounting, value.pop("class_name"), None)
+            if not (isinstance(cls, type) and issubclass(cls, dp_accounting.DpEvent)):
+                raise ValueError(f"unknown DpEvent in {config}")
+            return cls(**{k: convert(v) for k, v in value.items()})
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        return value
+
+    return convert(config)
+
+
 def _check_count(count, name):
     count = int(count)
     if count < 0:
@@ -101,43 +139,6 @@ def _poisson_gaussian(noise_multiplier, sampling_rate, count, name):
     release = dp_accounting.PoissonSampledDpEvent(
         sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
     return dp_accounting.SelfComposedDpEvent(release, count)
-
-
-# --- planned releases -------------------------------------------------------------
-# Mechanisms that run *alongside* training (adaptive clipping's quantile releases)
-# register a plan on the model, so that budgets computed before or at the start
-# of `fit` (`get_max_epochs`, `max_steps`, `DP_Accountant(epsilon_max=...)`)
-# include their future cost. A plan is an object with
-# ``planned_events(steps, steps_per_epoch) -> [DpEvent]``: the releases it will
-# make during the next ``steps`` training steps (those already made are in the
-# ledger).
-
-def register_release_plan(model, plan):
-    """Make ``plan``'s future releases part of ``model``'s budget computations."""
-    plans = model.__dict__.setdefault("_kdp_release_plans", {})
-    plans[id(plan)] = plan
-
-
-def unregister_release_plan(model, plan):
-    model.__dict__.get("_kdp_release_plans", {}).pop(id(plan), None)
-
-
-def planned_events(model, steps, steps_per_epoch=None):
-    """The events of every plan registered on ``model`` for ``steps`` more steps."""
-    if steps_per_epoch is None:
-        steps_per_epoch = model.privacy_spec()["steps_per_epoch"]
-    events = []
-    for plan in model.__dict__.get("_kdp_release_plans", {}).values():
-        events.extend(plan.planned_events(int(steps), int(steps_per_epoch)))
-    return events
-
-
-def planned_events_fn(model, steps_per_epoch=None):
-    """``steps -> planned_events(model, steps)``, or ``None`` without any plan
-    (the ``planned`` argument of `max_steps`)."""
-    if not model.__dict__.get("_kdp_release_plans"):
-        return None
-    return lambda steps: planned_events(model, steps, steps_per_epoch)
 
 
 def _accountant(accountant):
@@ -229,19 +230,22 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
     ))
 
 
-def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="rdp",
-              sampling="poisson", steps_per_epoch=None, spent_events=(), unit=1, planned=None):
-    """Largest ``n`` (a multiple of ``unit`` steps) with ε(spent + n steps) ≤ epsilon_max.
+def max_count(epsilon_max, delta, events_of, spent_events=(), accountant="rdp", unit=1,
+              planned=None):
+    """Largest ``n`` (a multiple of ``unit``) with ε(spent + events_of(n)) ≤ epsilon_max.
 
-    ``planned``: optional ``n -> [DpEvent]``, the other releases that ``n`` more
-    steps bring along (non-decreasing in ``n``; `planned_events_fn`), composed in.
+    ``events_of``: ``n -> [DpEvent]``, the releases of ``n`` more units of work
+    (non-decreasing in ``n``); ``planned``: optional ``n -> [DpEvent]``, other
+    releases those ``n`` bring along (e.g. adaptive clipping's quantiles).
     Bisection on the non-decreasing ε(n); returns 0 if even one unit exceeds it.
     """
     _check_positive(epsilon_max=epsilon_max)
+    spent_events = list(spent_events)
+
     def eps(units):
-        event = training_event(noise_multiplier, sampling_rate, units * unit, sampling, steps_per_epoch)
         extra = list(planned(units * unit)) if planned is not None else []
-        return epsilon_of_events(list(spent_events) + extra + [event], delta, accountant)
+        return epsilon_of_events(spent_events + extra + list(events_of(units * unit)), delta,
+                                 accountant)
 
     if eps(0) > epsilon_max:
         return 0
@@ -257,54 +261,14 @@ def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="r
     return lo * unit
 
 
-def get_eps_delta(model, epochs, accountant="rdp"):
-    """``(ε, δ)`` after ``epochs`` more epochs of ``model.fit`` (plus what it already spent)."""
-    spec = model.privacy_spec()
-    steps = int(epochs) * spec["steps_per_epoch"]
-    event = training_event(spec["noise_multiplier"], spec["sampling_rate"], steps,
-                           spec["sampling"], spec["steps_per_epoch"])
-    planned = planned_events(model, steps, spec["steps_per_epoch"])  # e.g. adaptive clipping
-    eps = epsilon_of_events(model.privacy_ledger.events() + planned + [event], spec["delta"],
-                            accountant)
-    return eps, spec["delta"]
-
-
-def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
-    """Set ``model.dp_parameters.noise_multiplier`` to the smallest σ with which
-    ``epochs`` more epochs (after the ledger, with the planned releases) cost at
-    most ``target_epsilon``; return it.
-
-    Unlike `calibrate_noise_multiplier`, this accounts for the noise strategy:
-    with ``"per-layer"`` noise a step is one Gaussian of ``σ_eff = r·σ``
-    (``r = (Σ_v c_v^-2)^(-1/2)``, public), so σ is the calibrated ``σ_eff / r``.
-    The model must be built.
-    """
-    spec = model.privacy_spec()
-    ratio = spec["noise_multiplier"] / model.dp_parameters.noise_multiplier
-    steps = int(epochs) * spec["steps_per_epoch"]
-    extra = model.privacy_ledger.events() + planned_events(model, steps, spec["steps_per_epoch"])
-    sigma_eff = calibrate_noise_multiplier(
-        target_epsilon, spec["sampling_rate"], steps, spec["delta"], accountant,
-        spec["sampling"], spec["steps_per_epoch"], extra,
-    )
-    model.dp_parameters.noise_multiplier = sigma_eff / ratio
-    return model.dp_parameters.noise_multiplier
-
-
-def get_max_epochs(epsilon_max, model, accountant="rdp"):
-    """Largest number of further epochs ``e`` with ε(e) ≤ epsilon_max < ε(e + 1).
-
-    ε(e) includes the releases planned alongside training by callbacks registered
-    on the model (`register_release_plan`; e.g. `AdaptiveQuantileClipping`, which
-    registers itself in ``set_model``: call ``callback.set_model(model)`` before
-    this if the callback is not attached yet)."""
-    spec = model.privacy_spec()
-    steps = max_steps(
-        epsilon_max, spec["noise_multiplier"], spec["sampling_rate"], spec["delta"], accountant,
-        spec["sampling"], spec["steps_per_epoch"], model.privacy_ledger.events(),
-        unit=spec["steps_per_epoch"], planned=planned_events_fn(model, spec["steps_per_epoch"]),
-    )
-    return steps // spec["steps_per_epoch"]
+def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="rdp",
+              sampling="poisson", steps_per_epoch=None, spent_events=(), unit=1, planned=None):
+    """Largest ``n`` (a multiple of ``unit`` steps) with ε(spent + n steps) ≤ epsilon_max
+    (`max_count` for DP-SGD steps)."""
+    return max_count(
+        epsilon_max, delta,
+        lambda n: [training_event(noise_multiplier, sampling_rate, n, sampling, steps_per_epoch)],
+        spent_events, accountant, unit, planned)
 
 
 def _check_positive(**values):
@@ -316,3 +280,15 @@ def _check_positive(**values):
 def _check_delta(delta):
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
+
+
+_MODEL_FUNCTIONS = ("get_eps_delta", "get_max_epochs", "calibrate_model_noise",
+                    "register_release_plan", "unregister_release_plan", "planned_events")
+
+
+def __getattr__(name):  # the model-facing names, without an import cycle
+    if name in _MODEL_FUNCTIONS:
+        from kdp.training import budget
+
+        return getattr(budget, name)
+    raise AttributeError(f"module 'kdp.accounting' has no attribute {name!r}")

@@ -35,6 +35,9 @@ import numpy as np
 from keras import ops
 
 from kdp import accounting
+from kdp.training import budget
+from kdp.training.ledger import quantile_mechanism
+from kdp.training.seeds import numpy_generator
 from kdp.autodiff import gradient
 from kdp.bounds import loss_lipschitz
 from kdp.layers.clip import DP_ClipGradient
@@ -213,12 +216,12 @@ class AdaptiveQuantileClipping(keras.callbacks.Callback):
         self.sampling_rate = self.batch_size / len(self.x)
         self.noise_multiplier = float(self._noise_multiplier_arg or self.batch_size / 20.0)
         if not self.public:
-            accounting.register_release_plan(model, self)
+            budget.register_release_plan(model, self)
 
     def detach(self):
         """Remove this callback's planned releases from the model's budgets."""
         if self.model is not None:
-            accounting.unregister_release_plan(self.model, self)
+            budget.unregister_release_plan(self.model, self)
 
     def set_params(self, params):
         # Keras sets the params of a `fit` (its steps per epoch) before any hook.
@@ -229,13 +232,13 @@ class AdaptiveQuantileClipping(keras.callbacks.Callback):
         steps = getattr(self, "_fit_steps_per_epoch", None)
         return int(steps) if steps else int(default)
 
-    def planned_events(self, steps, steps_per_epoch):
+    def planned_events(self, steps):
         """The releases made during the next ``steps`` training steps (from now:
         during ``fit``, those already made are in the ledger)."""
         if self.public:
             return []
-        period = self.patience * (self._steps_per_epoch(steps_per_epoch)
-                                  if self.every == "epoch" else 1)
+        default = budget.privacy_spec(self._model)["steps_per_epoch"]
+        period = self.patience * (self._steps_per_epoch(default) if self.every == "epoch" else 1)
         done, made = (self._fit_step, self._made) if self._in_fit else (0, 0)
         count = max(0, -(-(done + int(steps)) // period) - made)
         return [accounting.quantile_event(self.noise_multiplier, self.sampling_rate, count)]
@@ -247,17 +250,19 @@ class AdaptiveQuantileClipping(keras.callbacks.Callback):
             seed = self.seed
             if seed is None and params is not None and params.reproducible:
                 seed = params.draw_seed(offset=7)
-            self._rng = np.random.default_rng(seed)  # OS entropy when seed is None
+            self._rng = numpy_generator(seed is not None, seed)  # OS entropy when seed is None
         return self._rng
 
     def release(self, norms, clip_value):
         """One private release on the ``norms`` of a Poisson sample: returns
         ``(b̄, new C)``. Records it in the ledger first (unless public)."""
-        if not self.public:
-            self.model.privacy_ledger.record_quantile_releases(
-                1, self.noise_multiplier, self.sampling_rate)
         count = float(np.sum(np.asarray(norms) <= clip_value))
-        noisy = count + self._generator().normal(0.0, self.noise_multiplier)
+        if self.public:
+            noisy = count + self._generator().normal(0.0, self.noise_multiplier)
+        else:
+            mechanism = quantile_mechanism(self.noise_multiplier, self.sampling_rate)
+            with self._model.privacy_gate.spend(mechanism):
+                noisy = count + self._generator().normal(0.0, self.noise_multiplier)
         new = quantile_update(clip_value, noisy, self.batch_size, self.quantile, self.learning_rate)
         if self.min_clip_value is not None:
             new = max(new, float(self.min_clip_value))

@@ -20,6 +20,7 @@ from scipy import stats
 from kdp import accounting
 from kdp.autodiff import gradient, per_example_gradients
 from kdp.bounds import compute_gradient_bounds
+from kdp.training.budget import batch_mechanism
 
 # --- bounds ----------------------------------------------------------------------
 
@@ -91,12 +92,21 @@ def noise_draws(model, x, y, trials):
 
     Differentiates ``model.stateless_compute_loss`` (the objective of a real
     step) with all sample weights 0 and fixed predictions, so the gradient is the
-    noise alone; the model's seed generator advances before every draw.
+    noise alone; the model's seed generator advances before every draw. The draws
+    go through the model's privacy gate and are recorded in its ledger as
+    ``trials`` steps without amplification (the gate does not trust that the
+    weights are 0): audit a throwaway copy of the model.
     """
     zeros = np.zeros(len(x), "float32")
     y_pred = model(x)
     metrics = [v.value for v in model.metrics_variables]
     draws = {v.path: [] for v in model.trainable_variables}
+    with model.privacy_gate.spend(batch_mechanism(model.privacy_spec()), trials):
+        _draw(model, x, y, y_pred, zeros, metrics, trials, draws)
+    return {path: np.stack(d) for path, d in draws.items()}
+
+
+def _draw(model, x, y, y_pred, zeros, metrics, trials, draws):
     for _ in range(trials):
         model._noise_seed.next()
         others = [v.value for v in model.non_trainable_variables]
@@ -111,7 +121,6 @@ def noise_draws(model, x, y, trials):
         grads = gradient(objective, *[v.value for v in model.trainable_variables])
         for v, g in zip(model.trainable_variables, grads):
             draws[v.path].append(np.asarray(g))
-    return {path: np.stack(d) for path, d in draws.items()}
 
 
 def noise_check(model, x, y, trials=50, rtol=0.03, expected=None):

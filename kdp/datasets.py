@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from kdp.pipeline import DatasetMetadata, bound_clip_value, bound_normalize
+from kdp.metadata import DatasetMetadata, bound_clip_value, bound_normalize
 
 DIGITS_CLASSES = [str(i) for i in range(10)]
 MNIST_CLASSES = DIGITS_CLASSES

@@ -196,8 +196,8 @@ def test_shuffle_ledger_counts_started_passes():
     assert spec["sampling"] == "shuffle" and spec["steps_per_epoch"] == 10
     ledger = model.privacy_ledger
     for _ in range(15):  # one fit of 15 steps: 2 passes
-        ledger.record_training_steps(1, 2.0, 0.1, "shuffle", 10)
-    ledger.record_training_steps(1, 2.0, 0.1, "shuffle", 10, new_run=True)  # a new fit: a 3rd pass
+        ledger.record_training_steps(1, 2.0, 0.1, "shuffle", 10, run="fit-1")
+    ledger.record_training_steps(1, 2.0, 0.1, "shuffle", 10, run="fit-2")  # a new fit: a 3rd pass
     eps, _ = model.privacy_spent("pld")
     assert eps == pytest.approx(analytic_gaussian_epsilon(1.0 / math.sqrt(3), DELTA), rel=2e-3)
 

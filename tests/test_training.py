@@ -444,7 +444,7 @@ def test_changing_sigma_between_fits_retraces_the_step():
     keras.utils.set_random_seed(3)
     model = _noise_model("global", sigma=1.5)
     first = _draw_noise(model, 40)
-    model.dp_parameters.noise_multiplier = 6.0
+    model.dp_parameters = model.dp_parameters.replace(noise_multiplier=6.0)
     second = _draw_noise(model, 40)
     ratios = [_rms(b) / _rms(a) for a, b in zip(first, second)]
     assert all(abs(r - 4.0) < 0.4 for r in ratios), ratios
@@ -461,6 +461,6 @@ def test_calibrate_model_noise_meets_the_target_for_both_strategies(strategy):
     assert 2.99 <= eps <= 3.0 + 1e-6
     # the plain calibration ignores the strategy: under per-layer noise it overshoots
     plain = accounting.calibrate_noise_multiplier(3.0, BATCH / N, 5 * math.ceil(N / BATCH), 1e-3)
-    model.dp_parameters.noise_multiplier = plain
+    model.dp_parameters = model.dp_parameters.replace(noise_multiplier=plain)
     over, _ = accounting.get_eps_delta(model, 5)
     assert (over > 3.01) == (strategy == "per-layer")

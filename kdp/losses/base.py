@@ -13,7 +13,15 @@ class DPLoss(keras.losses.Loss):
 
     The reduction only matters outside kdp's training step: `DP_Model` always
     sums ``sample_weight · call(y, ŷ)`` and divides by the expected batch size.
+
+    Attributes:
+        labels: what ``get_L()`` assumes of the labels, checked on the data
+            before training (`kdp.training.validation`): ``"any"``,
+            ``"distribution"`` (entries in [0, 1] summing to at most 1) or
+            ``"one-hot"`` (exactly one true class per example).
     """
+
+    labels = "any"
 
     def get_L(self):
         raise TypeError(f"{type(self).__name__} must define get_L()")

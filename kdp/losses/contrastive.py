@@ -1,12 +1,12 @@
 """Contrastive DP losses: InfoNCE and spreadout, with **batch-level** sensitivities.
 
 Contrastive losses mix the examples of a batch by design, so they have no
-per-example Lipschitz constant (``get_L()`` raises, DESIGN §3.6). What they have
+per-example Lipschitz constant (``get_L()`` raises). What they have
 is a sensitivity of the whole batch gradient when one record (one positive pair)
 is added or removed, provided every per-pair similarity gradient is bounded by B
 (Kong et al., "Differentially private optimization for non-decomposable
-objective functions", Thm 4.2; constants corrected and extended with the
-temperature in ``research/logit_dp_kong.md`` §2.5).
+objective functions", Thm 4.2; its constants are re-derived below, with the
+temperature factor, and checked numerically in ``tests/test_contrastive.py``).
 
 Notation (one batch of ``n`` positive pairs ``(x_i, x'_i)``, encoder ``f``):
 

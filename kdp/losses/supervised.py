@@ -1,7 +1,7 @@
 """Supervised DP losses with honest per-example Lipschitz constants.
 
 Every ``get_L()`` bounds ``‖∂ℓ_i/∂ŷ_i‖₂`` for **one example with fixed weights**,
-whatever the rest of the batch (DESIGN §3.6). Derivations are in each docstring;
+whatever the rest of the batch (Béthune et al. 2024, §3). Derivations are in each docstring;
 the constants are checked numerically in ``tests/test_losses.py``.
 """
 
@@ -27,6 +27,8 @@ class DP_TauCategoricalCrossentropy(DPLoss):
     Args:
         tau: temperature ``τ > 0`` (large τ: closer to a hard max).
     """
+
+    labels = "distribution"
 
     def __init__(self, tau=1.0, name="tau_categorical_crossentropy", **kwargs):
         super().__init__(name=name, **kwargs)
@@ -99,6 +101,8 @@ class DP_MulticlassHinge(DPLoss):
         min_margin: the margin ``m > 0``.
     """
 
+    labels = "one-hot"
+
     def __init__(self, min_margin=1.0, name="multiclass_hinge", **kwargs):
         super().__init__(name=name, **kwargs)
         if not min_margin > 0:
@@ -134,6 +138,8 @@ class DP_MulticlassKR(DPLoss):
     balanced batch the two agree per example up to the factor ``c/2``.
     """
 
+    labels = "one-hot"
+
     def __init__(self, name="multiclass_kr", **kwargs):
         super().__init__(name=name, **kwargs)
 
@@ -156,6 +162,8 @@ class DP_MulticlassHKR(DPLoss):
         alpha: weight ``α ≥ 0`` of the hinge term.
         min_margin: the margin ``m > 0``.
     """
+
+    labels = "one-hot"
 
     def __init__(self, alpha=10.0, min_margin=1.0, name="multiclass_hkr", **kwargs):
         super().__init__(name=name, **kwargs)

@@ -1,0 +1,11 @@
+"""The training core of kdp, one concern a module.
+
+* `config`: `DPParameters`, the immutable privacy configuration;
+* `seeds`: the one source of randomness (OS entropy unless reproducible);
+* `validation`: the one input validator, run before anything is spent;
+* `objective`: the noisy objective (noise calibration, ``σ_eff``);
+* `ledger`: `PrivacyLedger` (runs, merge) and `LedgerJournal`;
+* `gate`: `PrivacyGate`, through which every noisy release is recorded and budgeted;
+* `budget`: a model's per-step mechanism, planned releases, ε of more epochs;
+* `saving`: the ledger inside every weights file.
+"""

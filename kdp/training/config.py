@@ -1,0 +1,110 @@
+"""`DPParameters`: the immutable privacy configuration of a DP model."""
+
+import math
+
+from kdp import accounting
+from kdp.clipping import check_clipping_parameters
+from kdp.training.sampling import check_batch_shapes
+from kdp.training.seeds import draw_seed
+
+NOISIFY_STRATEGIES = ("per-layer", "global")
+
+
+class DPParameters:
+    """Privacy parameters of a DP model.
+
+    Args:
+        noisify_strategy: ``"per-layer"`` (std ``σ c_v Δ_v / b`` per variable) or
+            ``"global"`` (std ``σ √(Σ Δ_v²) / b`` everywhere).
+        noise_multiplier: ``σ > 0``.
+        delta: the δ of the reported (ε, δ); must be ``< 1/N`` unless
+            ``allow_large_delta=True``.
+        sampling: ``"poisson"`` (default, what the accountant assumes) or
+            ``"shuffle"`` (shuffled batches of at most ``b`` records, each record
+            at most once per pass, e.g. from a `tf.data` pipeline; accounted
+            without amplification under replace-one, one Gaussian per pass).
+        reproducible: fix the noise and sampling seeds (``seed``, default 0).
+            **For tests only**: by default every draw is seeded from the OS
+            entropy, so nobody can predict the noise.
+        seed: the seed used when ``reproducible=True``.
+        allow_large_delta: accept ``delta >= 1/N`` (not recommended).
+        clipping_norm: ``C`` enables **per-example clipping** DP-SGD for models of
+            ordinary Keras layers (`kdp.clipping`): a float, or with
+            ``clipping="per-layer"`` a dict ``{layer name: C_l}`` (``C² = Σ C_l²``).
+            ``None`` (default): Clipless DP-SGD with the bound pass.
+        clipping: ``"flat"`` (one norm per example) or ``"per-layer"`` (a float
+            ``C`` is split equally, ``C_l = C/√L``).
+        physical_batch_size: with clipping, compute the clipped sum over chunks
+            of this many rows (virtual batches: one logical, accounted step).
+        epsilon_max: a privacy budget enforced over **every** `fit` of the model
+            (it is saved with the model): `fit` stops before the step that would
+            exceed it, and refuses to start on a model whose ledger already does.
+        batch_shapes: how many static sizes Poisson batches are padded to
+            (`kdp.training.sampling.poisson_batch_shapes`): 3 (default) pads by about 3 %
+            of the rows at b = 1024 for up to three compilations of the step; 1
+            pads every batch to the capacity ``b + 6√b + 8`` (one compilation,
+            +19 % rows at b = 1024). Speed only: the guarantee is the same.
+    """
+
+    def __init__(self, noisify_strategy="per-layer", noise_multiplier=1.0, delta=1e-5,
+                 sampling="poisson", reproducible=False, seed=None, allow_large_delta=False,
+                 clipping_norm=None, clipping="flat", physical_batch_size=None, epsilon_max=None,
+                 batch_shapes=3):
+        if noisify_strategy not in NOISIFY_STRATEGIES:
+            raise ValueError(
+                f"noisify_strategy must be one of {NOISIFY_STRATEGIES}, got {noisify_strategy!r}"
+            )
+        if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
+            raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier}")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta}")
+        if sampling not in accounting.SAMPLINGS:
+            raise ValueError(f"sampling must be one of {accounting.SAMPLINGS}, got {sampling!r}")
+        if seed is not None and not reproducible:
+            raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
+        self.noisify_strategy = noisify_strategy
+        self.noise_multiplier = float(noise_multiplier)
+        self.delta = float(delta)
+        self.sampling = sampling
+        self.reproducible = bool(reproducible)
+        self.seed = (0 if seed is None else int(seed)) if reproducible else None
+        self.allow_large_delta = bool(allow_large_delta)
+        if epsilon_max is not None and not (epsilon_max > 0 and math.isfinite(epsilon_max)):
+            raise ValueError(f"epsilon_max must be a finite number > 0, got {epsilon_max}")
+        self.epsilon_max = None if epsilon_max is None else float(epsilon_max)
+        self.clipping_norm, self.clipping, self.physical_batch_size = check_clipping_parameters(
+            clipping_norm, clipping, physical_batch_size)
+        self.batch_shapes = check_batch_shapes(batch_shapes)
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(
+                f"DPParameters are immutable (a compiled step and the ledger rely on them): use "
+                f"model.dp_parameters = model.dp_parameters.replace({name}=...)")
+        super().__setattr__(name, value)
+
+    def replace(self, **changes):
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return DPParameters(**{**self.get_config(), **changes})
+
+    def draw_seed(self, offset=0):
+        """The fixed seed (+ offset) if reproducible, else 64 bits of OS entropy."""
+        return draw_seed(self.reproducible, self.seed, offset)
+
+    def get_config(self):
+        return {
+            "noisify_strategy": self.noisify_strategy, "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta, "sampling": self.sampling, "reproducible": self.reproducible,
+            "seed": self.seed, "allow_large_delta": self.allow_large_delta,
+            "clipping_norm": self.clipping_norm, "clipping": self.clipping,
+            "physical_batch_size": self.physical_batch_size, "epsilon_max": self.epsilon_max,
+            "batch_shapes": self.batch_shapes,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        return "DPParameters(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"

@@ -1,0 +1,87 @@
+"""The noisy training objective of a DP model (Clipless DP-SGD, Béthune et al. 2024).
+
+``Σ_i w_i ℓ_i / b + Σ_v ⟨v − stop_gradient(v), ξ_v⟩``:
+
+* ``Σ_i w_i ℓ_i / b``: per-example losses summed and divided by the **expected**
+  batch size ``b`` (never the realised size, which is private under Poisson
+  sampling; padding rows have ``w_i = 0``);
+* the second term is exactly 0 in value but its gradient with respect to ``v``
+  is ``ξ_v``, a fresh Gaussian draw of std ``σ c_v Δ_v / b`` ("per-layer") or
+  ``σ √(Σ_v Δ_v²) / b`` ("global"), ``Δ_v`` the per-example gradient bound of
+  the bound pass (Béthune et al. 2024, Alg. 1–2).
+
+So Keras' own ``train_step`` computes the noisy gradient in one ordinary
+backward pass on every backend. The noise term is built only inside the privacy
+gate (`PrivacyGate.require_open`): a step that is not recorded cannot be traced.
+"""
+
+import keras
+from keras import ops
+
+from kdp import accounting, clipping, distribute
+from kdp.bounds import bound_sqrt, compute_gradient_bounds
+
+
+def noise_coefficients(model):
+    """``{variable.path: c_v}``: the public per-layer noise coefficients."""
+    coefs = {}
+    for layer in model._flatten_layers(include_self=False):
+        for v in layer.trainable_weights:
+            coefs[v.path] = float(getattr(layer, "nm_coef", 1.0))
+    return coefs
+
+
+def noise_stds(model):
+    """``{variable.path: std}`` of the Gaussian noise added to the batch gradient."""
+    params = model.dp_parameters
+    if params.clipping_norm is not None:
+        return clipping.noise_stds(model)  # σ·C/b
+    bounds = compute_gradient_bounds(model)
+    sigma, b = params.noise_multiplier, model.dataset_metadata.batch_size
+    if params.noisify_strategy == "global":
+        total = bound_sqrt(sum(d * d for d in bounds.values()))  # a tensor after a clip
+        return {p: sigma * total / b for p in bounds}
+    coefs = noise_coefficients(model)
+    return {p: sigma * coefs.get(p, 1.0) * d / b for p, d in bounds.items()}
+
+
+def effective_noise_multiplier(model):
+    """``σ_eff``: the noise multiplier of the one Gaussian a step is equivalent to
+    (``(Σ_v (σ c_v)^-2)^(-1/2)`` for per-layer noise)."""
+    params = model.dp_parameters
+    if params.noisify_strategy == "global" or params.clipping_norm is not None:
+        return params.noise_multiplier
+    coefs = noise_coefficients(model)
+    return accounting.effective_noise_multiplier(
+        params.noise_multiplier * coefs.get(v.path, 1.0) for v in model.trainable_variables)
+
+
+def noise_term(model, seed_generator):
+    """``Σ_v ⟨v − stop_gradient(v), ξ_v⟩`` (value 0, gradient ξ), one draw per variable."""
+    stds = noise_stds(model)
+    term = ops.zeros(())
+    for v in model.trainable_variables:
+        value = v.value
+        noise = keras.random.normal(v.shape, stddev=stds[v.path], dtype=value.dtype,
+                                    seed=seed_generator)
+        term = term + ops.sum((value - ops.stop_gradient(value)) * noise)
+    # Data-parallel: one calibrated draw per global step (kdp/distribute.py).
+    return term * ops.cast(distribute.noise_share(), term.dtype)
+
+
+def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
+    """The training objective (noisy when ``training``; the gate must be open)."""
+    values = model.loss.call(y, y_pred)
+    if sample_weight is not None:
+        values = values * ops.reshape(ops.cast(sample_weight, values.dtype), ops.shape(values))
+    b = model.dataset_metadata.batch_size
+    if training and model.dp_parameters.clipping_norm is not None:
+        total = clipping.clipped_objective(model, x, y, values, sample_weight)  # grad: ḡ/b
+    else:
+        total = ops.sum(values) / b
+    if model.losses:
+        total = total + ops.sum(model.losses) * ops.cast(distribute.noise_share(), total.dtype)
+    if training:
+        model.privacy_gate.require_open()
+        total = total + noise_term(model, seed_generator)
+    return total

@@ -1,0 +1,220 @@
+"""Sampling of `fit`'s batches: Poisson batches padded to static shapes (the
+default, what the accountant assumes) and shuffled fixed-size passes (opt-in).
+
+Poisson sampling (Abadi et al. 2016; Zhu and Wang 2019 for its amplification)
+includes every record independently with probability ``q = b/N`` at each step.
+Static shapes: each batch is padded with zero-weight rows to one of a few fixed
+sizes (a "ladder"), never truncated.
+"""
+
+import math
+import threading
+
+import keras
+import numpy as np
+
+from kdp.training.seeds import draw_seed, numpy_generator
+
+
+def poisson_capacity(batch_size, nb_samples):
+    """The largest static batch size for Poisson batches of mean ``b``: ``b + 6√b + 8`` (≤ N).
+
+    A larger batch (probability < 1e-9) is padded to the next multiple of this
+    capacity, never truncated.
+    """
+    return min(nb_samples, int(math.ceil(batch_size + 6 * math.sqrt(batch_size) + 8)))
+
+
+#: ``count → c_j``: the padding ladder has the sizes ``b + c_j·s`` and the capacity.
+_LADDER_OFFSETS = {1: (), 2: (1.0,), 3: (0.5, 2.0)}
+
+
+def check_batch_shapes(count):
+    """``count`` as an int if it is a valid number of padded sizes, else a `ValueError`."""
+    if count not in _LADDER_OFFSETS:
+        raise ValueError(f"batch_shapes must be one of {sorted(_LADDER_OFFSETS)}, got {count!r}")
+    return int(count)
+
+
+def poisson_batch_shapes(batch_size, nb_samples, count=3, multiple_of=1):
+    """The static sizes Poisson batches are padded to (a padding ladder).
+
+    A Poisson batch has ``B ~ Binomial(N, q)`` records, mean ``b`` and standard
+    deviation ``s = √(b(1 − q))``. It is padded to the smallest size of the
+    ladder that holds it: ``b + c_j·s`` for the offsets ``c_j`` of ``count``
+    (3: ``c = 0.5, 2``; 2: ``c = 1``; 1: none), and the capacity
+    `poisson_capacity` last. Each size is one compiled shape; the expected
+    padding falls from ``6√b + 8`` rows (one shape: +19 % rows at b = 1024) to
+    about ``0.8·s`` with three (+3 %). The padded size depends on the private
+    ``B`` only through the running time, which kdp does not protect (README);
+    nothing released depends on it.
+
+    Args:
+        batch_size: the expected batch size ``b``.
+        nb_samples: ``N``.
+        count: the number of sizes, 1 to 3.
+        multiple_of: round every size up to a multiple of this (data-parallel
+            replicas shard the global batch evenly).
+
+    Returns:
+        The sorted tuple of sizes; the last one is the capacity.
+    """
+    count = check_batch_shapes(count)
+    capacity = poisson_capacity(batch_size, nb_samples)
+    spread = math.sqrt(batch_size * (1.0 - batch_size / nb_samples))
+    sizes = {capacity} | {min(capacity, math.ceil(batch_size + c * spread)) for c in _LADDER_OFFSETS[count]}
+    multiple_of = max(1, int(multiple_of))
+    return tuple(sorted({-(-size // multiple_of) * multiple_of for size in sizes}))
+
+
+class PoissonBatches(keras.utils.PyDataset):
+    """Poisson-sampled batches from in-memory arrays, padded to static shapes.
+
+    Each step includes every record independently with probability ``q = b/N``
+    (Poisson sampling, Abadi et al. 2016). The batch is padded with zeros up to the
+    smallest of ``shapes`` that holds it (a batch above the largest, the
+    capacity, up to a multiple of the capacity: nothing is ever truncated), and a
+    weight vector marks the real rows (their sample weight) and the padding (0).
+    ``len`` is ``steps_per_epoch`` (``⌈N/b⌉``).
+
+    Args:
+        x, y: arrays with ``N`` rows.
+        batch_size: the expected batch size ``b``.
+        sample_weight: optional per-record weights in ``[0, 1]``.
+        steps_per_epoch: defaults to ``⌈N/b⌉``.
+        seed: ``None`` (default) draws from the OS entropy; an int makes the
+            sampling reproducible (for tests only).
+        multiple_of: round the padded sizes up to a multiple of this (the number
+            of data-parallel replicas, which shard the global batch evenly).
+            The sampling rate stays the global ``b/N``.
+        shapes: the number of padded sizes (`poisson_batch_shapes`); the default
+            1 pads every batch to the capacity (one compiled shape).
+        workers: Keras' `PyDataset` threads that prepare batches ahead of the
+            step (1: prepared when needed). Every batch is still one fresh,
+            independent draw: the generator is used under a lock, and a draw
+            that is prepared but never trained on releases nothing. With more
+            than one worker the order of the draws depends on the threads, so
+            a seeded sampling is only reproducible with ``workers=1``.
+    """
+
+    def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None,
+                 multiple_of=1, shapes=1, workers=1):
+        super().__init__(workers=workers, use_multiprocessing=False)
+        self.x, self.y = x, y
+        self.nb_samples = len(x)
+        self.sampling_rate = batch_size / self.nb_samples
+        self.shapes = poisson_batch_shapes(batch_size, self.nb_samples, shapes, multiple_of)
+        self.sample_weight = (
+            np.ones(self.nb_samples, dtype="float32") if sample_weight is None
+            else np.asarray(sample_weight, dtype="float32")
+        )
+        self.steps = steps_per_epoch or math.ceil(self.nb_samples / batch_size)
+        self.rng = numpy_generator(seed is not None, seed)
+        self._rng_lock = threading.Lock()
+
+    @property
+    def capacity(self):
+        """The largest padded size; larger batches take a multiple of it."""
+        return self.shapes[-1]
+
+    def __len__(self):
+        return self.steps
+
+    def sample_indices(self):
+        """One Poisson draw: the indices of the records in the next batch."""
+        with self._rng_lock:  # NumPy generators are not thread safe
+            uniforms = self.rng.random(self.nb_samples)
+        return np.flatnonzero(uniforms < self.sampling_rate)
+
+    def padded_size(self, records):
+        """The static size a batch of ``records`` rows is padded to."""
+        for size in self.shapes:
+            if records <= size:
+                return size
+        return self.capacity * math.ceil(records / self.capacity)
+
+    def __getitem__(self, index):
+        idx = self.sample_indices()
+        size = self.padded_size(len(idx))
+        return (_pad(self.x, idx, size), _pad(self.y, idx, size), _pad(self.sample_weight, idx, size))
+
+    def as_tf_dataset(self):
+        """These batches as an endless `tf.data.Dataset` whose batch axis is
+        unknown (``None``), so that TensorFlow accepts every padded size (Keras
+        would fix the batch size of a `PyDataset` from its first two batches)."""
+        import tensorflow as tf
+
+        signature = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
+                          for a in (self.x, self.y, self.sample_weight))
+
+        def batches():
+            while True:
+                yield self[0]
+
+        dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
+        return dataset.prefetch(self.workers)  # batches prepared ahead, as with workers
+
+
+class ShuffledBatches(keras.utils.PyDataset):
+    """Shuffled batches of exactly ``b`` records (``sampling="shuffle"`` only).
+
+    Each pass over the data is a fresh random permutation cut into ``⌊N/b⌋``
+    batches (the remainder is dropped), so a record is in at most one batch per
+    pass: what the ``"shuffle"`` accounting assumes. Batch ``index`` of epoch
+    ``e`` belongs to pass ``(e, index // ⌊N/b⌋)`` and is cut from that pass's
+    permutation, whatever the order in which batches are requested (Keras may
+    prefetch or reorder them); ``steps_per_epoch`` must be a multiple of
+    ``⌊N/b⌋``. `fit` visits the batches in order (``shuffle=False``), so ``n``
+    steps touch at most ``⌈n / ⌊N/b⌋⌉`` passes. Same arguments as `PoissonBatches`.
+    """
+
+    def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None):
+        super().__init__()
+        self.x, self.y = x, y
+        self.nb_samples = len(x)
+        self.batch_size = int(batch_size)
+        self.sample_weight = (
+            np.ones(self.nb_samples, dtype="float32") if sample_weight is None
+            else np.asarray(sample_weight, dtype="float32")
+        )
+        self.steps_per_pass = max(1, self.nb_samples // self.batch_size)
+        self.steps = steps_per_epoch or self.steps_per_pass
+        if self.steps % self.steps_per_pass:
+            raise ValueError(
+                f"with shuffled batches, steps_per_epoch ({self.steps}) must be a multiple "
+                f"of the steps of one pass, N // b = {self.steps_per_pass}"
+            )
+        self._entropy = draw_seed(seed is not None, seed)
+        self._epoch = -1  # batches requested before the first epoch (shape probes) are never trained on
+        self._permutations = {}
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return self.steps
+
+    def on_epoch_begin(self):
+        with self._lock:
+            self._epoch += 1
+            self._permutations.clear()
+
+    def permutation(self, index):
+        """The permutation of the pass that batch ``index`` of the current epoch belongs to."""
+        key = (self._epoch, index // self.steps_per_pass)
+        with self._lock:
+            if key not in self._permutations:
+                rng = np.random.default_rng([self._entropy, key[0] + 1, key[1]])
+                self._permutations[key] = rng.permutation(self.nb_samples)
+            return self._permutations[key]
+
+    def __getitem__(self, index):
+        position = index % self.steps_per_pass
+        idx = self.permutation(index)[position * self.batch_size:(position + 1) * self.batch_size]
+        return self.x[idx], self.y[idx], self.sample_weight[idx]
+
+
+def _pad(array, idx, size):
+    """``array[idx]`` followed by zero rows up to ``size`` rows (one gather, no temporary)."""
+    out = np.empty((size,) + array.shape[1:], dtype=array.dtype)
+    np.take(array, idx, axis=0, out=out[: len(idx)])
+    out[len(idx):] = 0
+    return out

@@ -1,0 +1,61 @@
+"""The one source of randomness for every private release in kdp.
+
+Noise and sampling are seeded from the operating system's entropy
+(``os.urandom``, 64 bits) unless the user explicitly asks for
+``reproducible=True`` (tests only). Never from a default seed, from Python's
+`random` or from Keras' global seed (`keras.utils.set_random_seed`): anyone who
+can replay the noise can subtract it, and a re-run on a neighbouring dataset
+would then reveal membership.
+"""
+
+import os
+
+import keras
+import numpy as np
+
+SEED_BITS = 64
+
+
+def os_seed(bits=SEED_BITS):
+    """A fresh integer of ``bits`` bits from the operating system's entropy."""
+    return int.from_bytes(os.urandom((bits + 7) // 8), "little") >> (-bits % 8)
+
+
+def draw_seed(reproducible, seed, offset=0):
+    """``seed + offset`` if ``reproducible`` (tests only), else 64 bits of OS entropy."""
+    if reproducible:
+        if seed is None:
+            raise ValueError("reproducible=True needs an explicit seed")
+        return int(seed) + offset
+    return os_seed()
+
+
+def numpy_generator(reproducible=False, seed=None, offset=0):
+    """A NumPy `Generator` seeded by `draw_seed` (64 bits of OS entropy by default)."""
+    return np.random.default_rng(draw_seed(reproducible, seed, offset))
+
+
+def seed_generator(reproducible=False, seed=None, offset=0):
+    """A `keras.random.SeedGenerator` whose whole state comes from `draw_seed`.
+
+    Keras derives a generator's state from a 32-bit seed (and `SeedGenerator(None)`
+    from Python's global `random`), so the state is overwritten here with two
+    words of OS entropy (`reseed`) unless ``reproducible``.
+    """
+    generator = keras.random.SeedGenerator(
+        draw_seed(reproducible, seed, offset) % (2**31 - 2) if reproducible else 0)
+    if not reproducible:
+        reseed(generator)
+    return generator
+
+
+def reseed(generator):
+    """Give ``generator`` a fresh state from the OS entropy: 64 bits on JAX (two
+    uint32 words), two words of 31 bits on TensorFlow (which folds int64 seeds
+    modulo ``2^31 - 2``)."""
+    state = generator.state
+    dtype = keras.backend.standardize_dtype(state.dtype)
+    modulus = 2**32 if dtype == "uint32" else 2**31 - 2
+    words = [os_seed() % modulus for _ in range(2)]
+    state.assign(np.array(words, dtype=dtype))
+    return generator

@@ -1,0 +1,222 @@
+"""The one input validator: refuses, before anything is spent, data that would
+break a bound the privacy guarantee relies on.
+
+`validate_batch` runs on every batch that reaches a DP model's noisy step (all
+of `fit`'s arrays at once, each `train_on_batch` batch, each batch of a dataset
+in shuffle mode) **before** the step is recorded in the ledger, so a refused
+batch costs nothing. It checks
+
+* shapes: every input, label and weight has the same number of rows, at most
+  ``max_rows`` (the expected batch size ``b`` for shuffled batches), and one
+  input's examples have ``DatasetMetadata.input_shape``;
+* values: inputs (and float labels) are finite;
+* weights (``sample_weight`` times ``class_weight``): finite and in [0, 1]
+  (a weight above 1 scales an example's gradient beyond its bound);
+* labels, for kdp losses: integer class ids in ``[0, K)``, label vectors ``K``
+  wide, and for single-label losses (``DPLoss.labels``) one class per example:
+  ``"one-hot"`` (hinge, KR, HKR: after clipping to [0, 1], one entry 1 and the
+  others 0) or ``"distribution"`` (τ-cross-entropy: entries in [0, 1] after
+  clipping, summing to at most 1). Multi-hot labels exceed their ``get_L()``;
+* input norms, for Clipless models whose bound pass starts from
+  ``DatasetMetadata.max_norm`` (no `DP_BoundedInput`): every example's L2 norm
+  is at most ``max_norm``. Such data is **refused**, not clipped; clip it first
+  (`kdp.pipeline.bound_clip_value`) or start the model with `DP_BoundedInput`.
+
+Errors never quote values of the private data.
+"""
+
+import keras
+import numpy as np
+
+TOLERANCE = 1e-5
+
+
+class DataValidationError(ValueError):
+    """Training data that would break the privacy guarantee (nothing was spent)."""
+
+
+def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=None):
+    """Check one batch (or a whole training set) for ``model``; return ``(x, y, weights)``.
+
+    Args:
+        model: a DP model (`DP_Model`, `DP_Sequential`).
+        x, y: inputs (an array or a structure of arrays) and labels.
+        sample_weight: per-example weights or ``None`` (all 1).
+        class_weight: optional ``{class id: weight}``.
+        max_rows: the largest number of rows allowed.
+
+    Returns:
+        ``(x, y, weights)`` as NumPy arrays, ``weights`` of shape ``(rows,)``.
+
+    Raises:
+        DataValidationError: see the module docstring.
+    """
+    x = keras.tree.map_structure(np.asarray, x) if isinstance(x, dict) else np.asarray(x)
+    leaves = keras.tree.flatten(x)
+    if not leaves:
+        raise DataValidationError("no input data")
+    rows = len(leaves[0])
+    if y is None:
+        raise DataValidationError("DP training needs labels y (with the inputs x)")
+    y = np.asarray(y)
+    if any(len(leaf) != rows for leaf in leaves) or len(y) != rows:
+        raise DataValidationError("inputs and labels have different numbers of rows")
+    metadata = getattr(model, "dataset_metadata", None)
+    expected = getattr(metadata, "input_shape", None)
+    if expected and len(leaves) == 1 and tuple(leaves[0].shape[1:]) != tuple(expected):
+        raise DataValidationError(
+            f"examples of shape {tuple(leaves[0].shape[1:])} but DatasetMetadata(input_shape="
+            f"{tuple(expected)})")
+    if max_rows is not None and rows > max_rows:
+        raise DataValidationError(
+            f"a batch of {rows} rows > {max_rows}, the most the accountant assumes "
+            "(dataset_metadata.batch_size)")
+    for leaf in leaves:
+        if not np.issubdtype(leaf.dtype, np.number) or not np.all(np.isfinite(leaf)):
+            raise DataValidationError("the inputs contain NaN, infinite or non-numeric values")
+    if not np.issubdtype(y.dtype, np.number) and y.dtype != bool:
+        raise DataValidationError(f"labels must be numbers, got dtype {y.dtype}")
+    if np.issubdtype(y.dtype, np.floating) and not np.all(np.isfinite(y)):
+        raise DataValidationError("the labels contain NaN or infinite values")
+    weights = _weights(y, rows, sample_weight, class_weight)
+    _check_labels(model, y)
+    _check_norms(model, leaves)
+    return x, y, weights
+
+
+def _weights(y, rows, sample_weight, class_weight):
+    weights = (np.ones(rows, "float32") if sample_weight is None
+               else np.asarray(sample_weight, "float32"))
+    if weights.size != rows:
+        raise DataValidationError(f"sample_weight has {weights.size} values for {rows} examples")
+    weights = weights.reshape(rows)
+    if class_weight is not None:
+        ids = y.argmax(-1) if y.ndim > 1 and y.shape[-1] > 1 else y.reshape(rows).astype(int)
+        weights = weights * np.array([class_weight.get(int(c), 1.0) for c in ids], "float32")
+    if not np.all(np.isfinite(weights)) or np.any(weights < 0) or np.any(weights > 1):
+        raise DataValidationError(
+            "sample_weight and class_weight must be finite and lie in [0, 1]: a weight above 1 "
+            "scales an example's gradient beyond its bound and would break the guarantee")
+    return weights
+
+
+def _output_width(model):
+    try:
+        shape = model.output_shape if not isinstance(model.output_shape, list) else None
+    except (AttributeError, ValueError):
+        return None
+    return None if not shape else shape[-1]
+
+
+def _check_labels(model, y):
+    loss = getattr(model, "loss", None)
+    kind = getattr(loss, "labels", None)
+    if kind is None:  # not a kdp loss (per-example clipping bounds the gradient anyway)
+        return
+    width = _output_width(model)
+    if width is None or width < 2:
+        return
+    sparse = y.ndim <= 1 or (y.ndim == 2 and y.shape[-1] == 1)
+    if sparse:
+        if np.issubdtype(y.dtype, np.floating) and not np.all(y == np.round(y)):
+            raise DataValidationError("sparse labels must be integer class ids")
+        if y.size and (y.min() < 0 or y.max() >= width):
+            raise DataValidationError(
+                f"class ids must lie in [0, {width}) for a model with {width} outputs")
+        return
+    if y.shape[-1] != width:
+        raise DataValidationError(
+            f"label vectors have {y.shape[-1]} entries but the model has {width} outputs")
+    if kind == "any":
+        return
+    clipped = np.clip(y.astype("float64"), 0.0, 1.0).reshape(-1, width)
+    sums = clipped.sum(-1)
+    if kind == "one-hot":
+        binary = np.all((clipped == 0) | (clipped == 1))
+        if not binary or np.any(np.abs(sums - 1) > TOLERANCE):
+            raise DataValidationError(
+                f"{type(loss).__name__} needs one true class per example (one-hot or "
+                "±1 label vectors, or integer ids); multi-hot or soft labels exceed its get_L()")
+    elif kind == "distribution" and np.any(sums > 1 + TOLERANCE):
+        raise DataValidationError(
+            f"{type(loss).__name__} needs label vectors with entries in [0, 1] summing to at most "
+            "1 (one class per example); multi-hot labels exceed its get_L()")
+
+
+def input_bound_needed(model):
+    """True for a Clipless model whose bound pass starts from
+    ``DatasetMetadata.max_norm`` (no `DP_BoundedInput` caps its inputs)."""
+    from kdp.bounds import propagate
+
+    if getattr(getattr(model, "dp_parameters", None), "clipping_norm", None) is not None:
+        return False
+    try:
+        return propagate(model, None) is None
+    except TypeError:
+        return True
+
+
+def _check_norms(model, leaves):
+    metadata = getattr(model, "dataset_metadata", None)
+    bound = getattr(metadata, "max_norm", None)
+    if bound is None or not input_bound_needed(model):
+        return
+    for leaf in leaves:
+        flat = leaf.reshape(len(leaf), -1).astype("float64")
+        if flat.size and np.max(np.einsum("ij,ij->i", flat, flat)) > (bound * (1 + TOLERANCE)) ** 2:
+            raise DataValidationError(
+                f"an example's L2 norm exceeds DatasetMetadata(max_norm={bound:g}), the input bound "
+                "the gradient bounds are computed from. Clip the data first "
+                "(kdp.pipeline.bound_clip_value) or start the model with DP_BoundedInput.")
+
+
+def validate_stream(model, data, max_rows):
+    """``data`` (a `tf.data.Dataset`, a `keras.utils.PyDataset` or a generator of
+    ``(x, y[, sample_weight])`` batches) with `validate_batch` applied to every
+    batch before it reaches the step (``max_rows``: the expected batch size).
+    A refused batch raises before its step runs (the gate refunds the step)."""
+    def check(batch):
+        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+            raise DataValidationError("each batch must be (x, y) or (x, y, sample_weight)")
+        return validate_batch(model, *batch, max_rows=max_rows)
+
+    if hasattr(data, "element_spec"):  # tf.data: the same check, run by tf.data itself
+        import tensorflow as tf
+
+        def checked(*batch):
+            flat = tf.nest.flatten(batch)
+
+            def run(*arrays):
+                check(tuple(tf.nest.pack_sequence_as(batch, list(arrays))))
+                return np.array(True)
+
+            ok = tf.numpy_function(run, flat, tf.bool, stateful=True)
+            with tf.control_dependencies([ok]):
+                return tf.nest.pack_sequence_as(batch, [tf.identity(t) for t in flat])
+
+        return data.map(checked)
+    if isinstance(data, keras.utils.PyDataset):
+        return _ValidatedPyDataset(data, check)
+    if hasattr(data, "__next__") or hasattr(data, "__iter__"):
+        return (tuple(check(batch)) for batch in data)
+    raise DataValidationError(f"cannot train on {type(data).__name__}: pass arrays or a dataset")
+
+
+class _ValidatedPyDataset(keras.utils.PyDataset):
+    """A `PyDataset` whose batches pass `validate_batch` first."""
+
+    def __init__(self, dataset, check):
+        super().__init__()
+        self.dataset, self.check = dataset, check
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return tuple(self.check(self.dataset[index]))
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
