@@ -75,10 +75,10 @@ def test_certified_accuracy_matches_margins():
     assert cert[0.2] == pytest.approx(np.mean((radius > 0.2) & (logits.argmax(1) == y)), abs=0.021)
 
 
-def _run(args, env_backend, timeout=240):
+def _run(args, env_backend, timeout=240, cwd=None):
     env = dict(os.environ, KERAS_BACKEND=env_backend, TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run([sys.executable, "-m", "kdp", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=cwd)
 
 
 def test_bad_flag_in_a_subprocess():
@@ -89,9 +89,13 @@ def test_bad_flag_in_a_subprocess():
 
 def test_demo_end_to_end(tmp_path):
     """A short demo on the current backend, started under the other backend's variable
-    so that --backend must take effect (re-executing the process)."""
+    so that --backend must take effect (re-executing the process), from a folder
+    that holds a clone named ``kdp`` (which shadowed the package as a namespace)."""
+    work = tmp_path / "work"
+    (work / "kdp").mkdir(parents=True)
+    (work / "kdp" / "README.md").write_text("a clone of the repository")
     result = _run(["demo", "--epsilon", "2", "--epochs", "2", "--backend", BACKEND,
-                   "--out", str(tmp_path)], OTHER)
+                   "--out", str(tmp_path)], OTHER, cwd=work)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "kdp demo report" in out and "test accuracy" in out and "certified accuracy" in out

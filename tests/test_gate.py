@@ -7,6 +7,8 @@ it before anything is spent, or records exactly what ran. The ε of reference
 is computed independently with dp-accounting.
 """
 
+import warnings
+
 import dp_accounting
 import keras
 import numpy as np
@@ -175,13 +177,16 @@ def test_accountant_budget_holds_with_steps_per_execution():
     model = _model(128, 16, sigma=1.0)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=losses.DP_TauCategoricalCrossentropy(2.0),
                   steps_per_execution=4)
-    eps_max = 2.0
-    allowed = kdp.accounting.max_steps(eps_max, 1.0, 16 / 128, 1e-3)
-    with pytest.warns(UserWarning, match="privacy budget"):
+    allowed = 41  # not a multiple of the block: the old check ran up to 44 steps
+    eps_max = kdp.accounting.compute_epsilon(1.0, 16 / 128, allowed, 1e-3) * (1 + 1e-9)
+    assert kdp.accounting.max_steps(eps_max, 1.0, 16 / 128, 1e-3) == allowed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model.fit(x, y, epochs=100, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=eps_max)])
     steps = model.privacy_ledger.training_steps()
-    assert model.privacy_spent()[0] <= eps_max  # was 2.012 (224 of 221 steps)
+    assert model.privacy_spent()[0] <= eps_max  # was 44 steps of 41 allowed
     assert allowed - 4 < steps <= allowed
+    assert any("privacy budget" in str(w.message) for w in caught)  # the stop is not silent
 
 
 # -- finding 5: shuffle mode with a dataset --------------------------------------------------------
@@ -199,7 +204,7 @@ def test_shuffle_mode_dataset_batches_are_validated_before_spending(bad):
     model = _model(sampling="shuffle")
     data = (_dataset(x, y, 4 * 16) if bad == "rows"
             else _dataset(x, y, 16, np.full(64, 50.0, "float32")))
-    with pytest.raises(Exception, match="rows|weight"):
+    with pytest.raises(Exception, match="rows|records|weight"):
         model.fit(data, epochs=3, verbose=0)
     assert model.privacy_ledger.training_steps() == 0  # was 12 steps charged (TF)
     model.fit(_dataset(x, y, 16), epochs=2, verbose=0)  # a valid pipeline trains
