@@ -198,7 +198,7 @@ def _release_sums(trainer, w, x, y, xp, yp, c, clip=True, drop=None):
 def test_per_step_add_remove_sensitivity_by_brute_force():
     x, y, xp, yp, c = _toy()
     trainer = am.AdaMix(c, steps=6, delta=1e-3, learning_rate=0.5, pretrain_steps=5, subspace_dim=2,
-                        rank_policy="complete", keep_trajectory=True, seed=0)
+                        rank_policy="complete", keep_trajectory=True, reproducible=True, seed=0)
     trainer.fit(x, y, public_data=(xp, yp))
     extra_x = x[:1] * 1.0  # an added record (a duplicate of a hard one)
     extra_y = (y[:1] + 1) % c
@@ -220,7 +220,8 @@ def test_per_step_add_remove_sensitivity_by_brute_force():
 
 def test_negative_control_unclipped_gradients_violate_sensitivity():
     x, y, xp, yp, c = _toy()
-    trainer = am.AdaMix(c, steps=1, delta=1e-3, projection=False, pretrain_steps=50, seed=0)
+    trainer = am.AdaMix(c, steps=1, delta=1e-3, projection=False, pretrain_steps=50,
+                        reproducible=True, seed=0)
     trainer.fit(x, y, public_data=(xp, yp))
     w = trainer.head.kernel
     full, tau = _release_sums(trainer, w, x, y, xp, yp, c, clip=False)
@@ -235,7 +236,8 @@ def test_negative_control_unclipped_gradients_violate_sensitivity():
 def test_per_instance_ledger_bounded_by_worst_case_and_marked():
     x, y, xp, yp, c = _toy()
     trainer = am.AdaMix(c, steps=10, delta=1e-3, noise_multiplier=2.0, pretrain_steps=5,
-                        subspace_dim=3, rank_policy="complete", track_per_instance=True, seed=0)
+                        subspace_dim=3, rank_policy="complete", track_per_instance=True,
+                        reproducible=True, seed=0)
     trainer.fit(x, y, public_data=(xp, yp))
     ledger = trainer.per_instance
     assert ledger.not_for_release and ledger.steps == 10
@@ -260,7 +262,8 @@ def test_per_instance_ledger_bounded_by_worst_case_and_marked():
 # ---------------------------------------------------------------- trainers
 def test_trainers_api_and_privacy_report():
     x, y, xp, yp, c = _toy(n_pri=60)
-    t = am.AdaMix(c, epsilon=1.0, delta=1e-3, noise_multiplier=5.0, seed=0).fit(x, y, public_data=(xp, yp))
+    t = am.AdaMix(c, epsilon=1.0, delta=1e-3, noise_multiplier=5.0, reproducible=True,
+                  seed=0).fit(x, y, public_data=(xp, yp))
     p = t.privacy()
     assert p["steps"] == am.calibrate_steps(1.0, 1e-3, 5.0) == len(t.history)
     assert p["epsilon"] <= 1.0 and "private data only" in p["scope"]
@@ -272,7 +275,8 @@ def test_trainers_api_and_privacy_report():
     assert isinstance(t.keras_model(), keras.Model)
     np.testing.assert_allclose(ops.convert_to_numpy(t.keras_model()(x)),
                                ops.convert_to_numpy(t.head(x)), atol=1e-6)  # x is unit-norm
-    for base in (am.NoisyGD(c, epsilon=1.0, delta=1e-3, seed=0), am.PublicOnly(c), am.NonPrivate(c)):
+    for base in (am.NoisyGD(c, epsilon=1.0, delta=1e-3, reproducible=True, seed=0),
+                 am.PublicOnly(c), am.NonPrivate(c)):
         base.fit(x, y, public_data=(xp, yp))
         assert 0 <= base.error(x, y) <= 1
     public = am.PublicOnly(c).fit(x, y, public_data=(xp, yp))
@@ -299,8 +303,73 @@ def test_bad_input_is_rejected():
 def test_adamix_beats_public_only_on_digits():
     d = am.digits_mixed_split(public_per_class=2, seed=0)
     pub, te = (d["x_public"], d["y_public"]), (d["x_test"], d["y_test"])
-    mixed = am.AdaMix(10, epsilon=1.0, learning_rate=2e-2, projection=False, seed=0)
+    mixed = am.AdaMix(10, epsilon=1.0, learning_rate=2e-2, projection=False, reproducible=True, seed=0)
     mixed.fit(d["x_private"], d["y_private"], public_data=pub)
     x_test = d["x_test"] / np.linalg.norm(d["x_test"], axis=1, keepdims=True)
     public_error = np.mean(np.argmax(x_test @ mixed.public_solution, 1) != d["y_test"])
     assert mixed.error(*te) < public_error - 0.1
+
+
+# ---------------------------------------------------------------- one noise source, one gate
+@pytest.mark.parametrize("make", [
+    lambda c: am.NoisyGD(c, steps=5, delta=1e-3, noise_multiplier=2.0),
+    lambda c: am.AdaMix(c, steps=5, delta=1e-3, noise_multiplier=2.0, pretrain_steps=3),
+], ids=["noisygd", "adamix"])
+def test_global_keras_seed_does_not_replay_the_noise(make):
+    """The noise came from SeedGenerator(None), which follows Python's global `random`: after
+    keras.utils.set_random_seed(0) a re-run on the same data was bit-identical (so runs on D
+    and on D minus one record would differ only by that record)."""
+    x, y, xp, yp, c = _toy(n_pri=40)
+    weights = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        weights.append(make(c).fit(x, y, public_data=(xp, yp)).weights_)
+    gap = np.abs(weights[0] - weights[1]).max()
+    print(f"\nmax |w1 − w2| after set_random_seed(0) twice: {gap:.3g}")
+    assert gap > 1e-4
+
+
+def test_reproducible_seed_replays_and_seed_alone_is_refused():
+    x, y, _, _, c = _toy(n_pri=40)
+    runs = [am.NoisyGD(c, steps=5, delta=1e-3, noise_multiplier=2.0, reproducible=True,
+                       seed=3).fit(x, y).weights_ for _ in range(2)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    with pytest.raises(ValueError, match="reproducible"):
+        am.NoisyGD(c, steps=5, delta=1e-3, seed=3)
+    with pytest.raises(ValueError, match="explicit seed"):
+        am.AdaMix(c, steps=5, delta=1e-3, reproducible=True)
+    with pytest.raises(TypeError):
+        core.gaussian_noise((2, 2), 1.0, None)  # never Keras' global seed
+
+
+def test_gate_records_every_step_and_matches_dp_accounting():
+    from kdp.training.gate import BudgetExceededError
+
+    x, y, xp, yp, c = _toy(n_pri=60)
+    sigma, delta = 3.0, 1e-3
+    t = am.AdaMix(c, steps=7, delta=delta, noise_multiplier=sigma, pretrain_steps=5)
+    for _ in range(2):
+        t.fit(x, y, public_data=(xp, yp))
+    ledger = t.privacy_ledger
+    assert ledger is t.privacy_gate.ledger and len(ledger.runs()) == 2
+    assert sum(e["count"] for e in ledger.entries) == 14
+    assert all(e["event"] == {"class_name": "GaussianDpEvent", "noise_multiplier": sigma}
+               for e in ledger.entries)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(am.noisy_gd_event(sigma, 14))
+    assert t.privacy_spent()[0] == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)
+    pld = dp_accounting.pld.PLDAccountant()
+    pld.compose(am.noisy_gd_event(sigma, 14))
+    assert t.privacy_spent("pld")[0] == pytest.approx(pld.get_epsilon(delta), rel=1e-3)
+    assert t.privacy()["epsilon"] <= t.privacy_spent("rdp")[0]  # GDP of one run: tighter
+    # a budget refuses a whole fit before it starts: nothing recorded, weights unchanged
+    eps_10 = am.epsilon_dp_accounting(sigma, 10, delta, "rdp")
+    capped = am.NoisyGD(c, steps=7, delta=delta, noise_multiplier=sigma, epsilon_max=eps_10)
+    capped.fit(x, y)
+    before = capped.weights_
+    with pytest.raises(BudgetExceededError):
+        capped.fit(x, y)
+    assert sum(e["count"] for e in capped.privacy_ledger.entries) == 7
+    np.testing.assert_array_equal(capped.weights_, before)
+    assert am.PublicOnly(c).fit(x, y, public_data=(xp, yp)).privacy_spent()[0] == 0
+    assert am.NonPrivate(c).fit(x, y).privacy_spent()[0] == math.inf

@@ -7,7 +7,9 @@ that a masked pair is exactly a removed one.
 """
 
 import math
+import os
 
+import dp_accounting
 import keras
 import numpy as np
 import pytest
@@ -91,7 +93,7 @@ def _worst_case_batch(n, kernel, scale, rng, noise=0.05, size=CAP):
 # -- the losses ---------------------------------------------------------------------------
 
 def test_constants_table_and_paper_negative_control():
-    # research note §8.5 (τ = 1, cosine)
+    # the setting of Kong et al.'s experiments (τ = 1, cosine)
     for n, safe, paper in [(2, 3.7616, 2.0), (10, 10.1154, 9.2136), (100, 15.7517, 15.6128),
                            (1000, 16.6696, 16.6549)]:
         assert infonce_constant(n) == pytest.approx(safe, abs=1e-3)
@@ -399,7 +401,7 @@ def test_noise_std_is_sigma_sensitivity_over_b(strategy):
     loss = DP_InfoNCE(0.5, norm_floor=0.3)
     sigma, b, N = 1.3, 16, 100
     trainer = ContrastiveTrainer(enc, loss, strategy, batch_size=b, clip_norm=0.2,
-                                 noise_multiplier=sigma, delta=1e-3, reproducible=True)
+                                 noise_multiplier=sigma, delta=1e-3, reproducible=True, seed=0)
     trainer.nb_pairs = N
     expected_delta = (0.4 if strategy == "naive" else loss.sensitivity(
         N + 1, 0.2 if strategy == "logit-dp" else trainer.pair_bound))
@@ -423,10 +425,10 @@ def test_sensitivity_sizes_and_accounting():
     rng = np.random.default_rng(10)
     x, xp = _random_batch(rng, 120)
     trainer = ContrastiveTrainer(enc, loss, "logit-dp", batch_size=12, clip_norm=0.5,
-                                 target_epsilon=3.0, delta=1e-3, reproducible=True)
+                                 target_epsilon=3.0, delta=1e-3, reproducible=True, seed=0)
     history = trainer.fit(x, xp, epochs=2)
     steps = 2 * math.ceil(120 / 12)
-    assert trainer.ledger.training_steps() == steps
+    assert trainer.privacy_ledger.training_steps() == steps
     eps = accounting.compute_epsilon(trainer.noise_multiplier, 0.1, steps, 1e-3)
     assert history["epsilon"][-1] == pytest.approx(eps, rel=1e-6)
     assert eps <= 3.0 + 1e-3 and eps > 2.9
@@ -472,3 +474,67 @@ def test_pairs_and_knn():
     enc = _encoder()
     e = embed(enc, rng.normal(size=(5, DIM)), DP_InfoNCE())
     np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1, rtol=1e-5)
+
+
+# -- one noise source, one gate -------------------------------------------------------------
+
+def _low_words_fixed(monkeypatch):
+    """OS draws whose last 4 bytes are fixed: a seed of 32 bits or fewer is then constant."""
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: real(max(n - 4, 0)) + b"\x07" * min(n, 4))
+
+
+def test_noise_seed_has_64_bits_and_ignores_the_global_seed(monkeypatch):
+    """The noise seed had 31 bits (``os.urandom(4)``): OS draws agreeing on 32 bits gave
+    bit-identical noise."""
+    enc = _encoder()
+    x = np.ones((4, DIM), "float32")
+
+    def noise():
+        keras.utils.set_random_seed(0)
+        trainer = ContrastiveTrainer(enc, DP_InfoNCE(0.5), "logit-dp", batch_size=4,
+                                     noise_multiplier=1.0, delta=1e-3, jit_compile=False)
+        trainer.nb_pairs = 50
+        clean = _flat(trainer.batch_gradient(x, x)[0]) / 4
+        return _flat(trainer.noisy_gradient(x, x)[0]) - clean
+
+    assert not np.allclose(noise(), noise())
+    _low_words_fixed(monkeypatch)
+    a, b = noise(), noise()
+    print(f"\nOS draws agreeing on 32 bits: max |noise1 − noise2| = {np.abs(a - b).max():.3g}")
+    assert np.abs(a - b).max() > 0.1 * np.abs(a).max()
+
+
+def test_gate_records_steps_before_they_run_and_enforces_the_budget():
+    from kdp.training.gate import BudgetExceededError
+    from kdp.training.ledger import training_mechanism
+
+    enc = _encoder()
+    x, xp = _random_batch(np.random.default_rng(14), 60)
+    kwargs = dict(batch_size=6, clip_norm=0.5, noise_multiplier=1.2, delta=1e-3)
+    trainer = ContrastiveTrainer(enc, DP_InfoNCE(1.0), "logit-dp", **kwargs)
+    with pytest.raises(ValueError, match="reproducible"):
+        ContrastiveTrainer(enc, DP_InfoNCE(1.0), "logit-dp", seed=1, **kwargs)
+    with pytest.raises(ValueError, match="explicit seed"):
+        ContrastiveTrainer(enc, DP_InfoNCE(1.0), "logit-dp", reproducible=True, **kwargs)
+    trainer.fit(x, xp, epochs=2)
+    assert trainer.privacy_ledger is trainer.privacy_gate.ledger
+    [entry] = trainer.privacy_ledger.entries
+    mechanism = {k: v for k, v in entry.items() if k not in ("run", "seq", "count")}
+    assert entry["count"] == 20 and mechanism == training_mechanism(1.2, 0.1, "poisson", None)
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.2)), 20)
+    assert trainer.privacy_spent()[0] == pytest.approx(acc.get_epsilon(1e-3), rel=1e-9)
+    # one more epoch fits a budget of 25 steps, two do not: refused before anything runs
+    eps_25 = accounting.compute_epsilon(1.2, 0.1, 25, 1e-3)
+    capped = ContrastiveTrainer(enc, DP_InfoNCE(1.0), "logit-dp", epsilon_max=eps_25, **kwargs)
+    capped.fit(x, xp, epochs=2)
+    weights = [np.array(v) for v in enc.trainable_variables]
+    with pytest.raises(BudgetExceededError):
+        capped.fit(x, xp, epochs=1)
+    assert sum(e["count"] for e in capped.privacy_ledger.entries) == 20
+    assert all(np.array_equal(w, np.array(v)) for w, v in zip(weights, enc.trainable_variables))
+    plain = ContrastiveTrainer(enc, DP_InfoNCE(1.0), "non-private", batch_size=6)
+    assert plain.privacy_spent()[0] == 0
+    plain.fit(x, xp)
+    assert plain.privacy_spent()[0] == math.inf

@@ -1,8 +1,9 @@
-"""DPCL (kdp.dpcl): mechanism sensitivities (note §A.8, near-tight constructions),
-the paper's σ table (note §A.6), the 4C gap of "as-published" by brute force,
+"""DPCL (kdp.dpcl): mechanism sensitivities (near-tight constructions),
+the σ table of Li et al. (§5.2–5.3), the 4C gap of "as-published" by brute force,
 the proven bound of "rigorous", and negative controls."""
 
 import math
+import os
 import warnings
 
 import dp_accounting
@@ -220,7 +221,8 @@ def test_trainer_warns_accounts_and_refuses(rng):
     with pytest.warns(UserWarning, match="unproven"):
         DPCLTrainer(enc, "simclr", "as-published", batch_size=8, noise_multiplier=1.0)
     tr = DPCLTrainer(enc, "barlow-twins", "rigorous", batch_size=8, target_epsilon=5.0,
-                     delta=1e-3, optimizer=keras.optimizers.SGD(0.05), reproducible=True)
+                     delta=1e-3, optimizer=keras.optimizers.SGD(0.05), reproducible=True,
+                     seed=0)
     before = [np.array(v) for v in enc.trainable_variables]
     h = tr.fit(a, p, epochs=2)
     assert tr.steps_taken == 10 and all(np.isfinite(h["loss"]))
@@ -239,3 +241,59 @@ def test_trainer_warns_accounts_and_refuses(rng):
                            keras.layers.Dense(DIM)])
     with pytest.raises(ValueError, match="batch"):
         DPCLTrainer(bn, "simclr", "rigorous", noise_multiplier=1.0)
+
+
+# -- one noise source, one gate -------------------------------------------------------------------
+def test_noise_seed_has_64_bits_and_ignores_the_global_seed(monkeypatch):
+    """The noise seed had 31 bits (``os.urandom(4)``): OS draws agreeing on 32 bits gave
+    bit-identical noise (and batches)."""
+    def noise():
+        keras.utils.set_random_seed(0)
+        enc = keras.Sequential([keras.Input((6,)), keras.layers.Dense(DIM)])
+        trainer = DPCLTrainer(enc, "simclr", "rigorous", batch_size=4, noise_multiplier=1.0,
+                              delta=1e-3, jit_compile=False)
+        return _np(trainer.draw_noise()["Z"])
+
+    assert not np.allclose(noise(), noise())
+    real = os.urandom  # last 4 bytes of every OS draw fixed: a seed of <= 32 bits is constant
+    monkeypatch.setattr(os, "urandom", lambda n: real(max(n - 4, 0)) + b"\x07" * min(n, 4))
+    a, b = noise(), noise()
+    print(f"\nOS draws agreeing on 32 bits: max |noise1 − noise2| = {np.abs(a - b).max():.3g}")
+    assert np.abs(a - b).max() > 0.1
+
+
+def test_gate_records_joint_steps_and_enforces_the_budget(rng):
+    from kdp.accounting import event_from_config
+    from kdp.training.gate import BudgetExceededError
+
+    a, p = rng.normal(size=(40, 6)).astype("float32"), rng.normal(size=(40, 6)).astype("float32")
+    keras.utils.set_random_seed(0)
+    enc = keras.Sequential([keras.Input((6,)), keras.layers.Dense(DIM)])
+    kwargs = dict(batch_size=8, noise_multiplier=2.0, delta=1e-3, composition="separate")
+    with pytest.raises(ValueError, match="reproducible"):
+        DPCLTrainer(enc, "barlow-twins", "rigorous", seed=1, **kwargs)
+    tr = DPCLTrainer(enc, "barlow-twins", "rigorous", **kwargs)
+    tr.fit(a, p, epochs=1)
+    [entry] = tr.privacy_ledger.entries
+    joint = tr.step_event(composition="joint")
+    assert entry["count"] == tr.steps_taken == 5
+    assert event_from_config(entry["event"]) == joint  # the sound event, not "separate"
+    acc = dp_accounting.rdp.RdpAccountant(A.ORDERS, neighboring_relation=A.NeighborRel.REPLACE_ONE)
+    acc.compose(dp_accounting.SelfComposedDpEvent(joint, 5))
+    eps = acc.get_epsilon(1e-3)
+    assert tr.privacy_spent()[0] == pytest.approx(eps, rel=1e-9)
+    assert tr.composition_epsilon()[0] < eps  # the paper's separate composition under-counts
+    with pytest.raises(ValueError, match="rdp"):
+        tr.privacy_spent("pld")
+    tr.release(a[:8], p[:8])  # drawn noise: one unamplified release of the connection points
+    assert tr.privacy_ledger.events()[-1] == dp_accounting.SelfComposedDpEvent(
+        A._inner([2.0] * 5), 1)
+    # a budget between 5 and 10 steps: the second epoch is refused before it runs
+    capped = DPCLTrainer(enc, "barlow-twins", "rigorous", epsilon_max=A.epsilon(joint, 8, 1e-3)[0],
+                         **kwargs)
+    capped.fit(a, p, epochs=1)
+    weights = [np.array(v) for v in enc.trainable_variables]
+    with pytest.raises(BudgetExceededError):
+        capped.fit(a, p, epochs=1)
+    assert capped.privacy_ledger.entries[0]["count"] == capped.steps_taken == 5
+    assert all(np.array_equal(w, np.array(v)) for w, v in zip(weights, enc.trainable_variables))

@@ -1,6 +1,6 @@
 """DP-Helmet (kdp.helmet): sensitivity, constants, calibration, blind averaging, secret sharing.
 
-The checks of research/dp_helmet.md §6, each with a negative control that must fail.
+The checks of the DP-Helmet results (Kirschte et al.), each with a negative control that must fail.
 """
 
 import itertools
@@ -241,7 +241,7 @@ def test_smoothness_and_strong_convexity(kind):
 
 # ---------------------------------------------------------------- privacy calibration
 
-NOTE_TABLE = {  # ε: σ for K_comp = 1, 10, 62, 100 at δ = 1e-5 (note §2.5)
+NOTE_TABLE = {  # ε: σ for K_comp = 1, 10, 62, 100 at δ = 1e-5 (Kirschte et al., Gaussian calibration)
     0.1: (30.750, 97.239, 242.12, 307.50),
     0.2: (16.304, 51.558, 128.38, 163.04),
     0.4: (8.630, 27.289, 67.949, 86.296),
@@ -336,12 +336,14 @@ def test_simulator_noise_equals_centralised_noise():
     cfg = HelmetConfig("huber_svm", lam=0.5, R=1.0, c=2.0, epochs=2, batch_size=5)
     sim = FederatedSimulator(cfg, 3, honest_fraction=1.0).train(X, y, split_iid(400, 10))
     clean = sim.release(1.0, 1e-5, noiseless=True)["model"]
-    noise = np.stack([sim.release(1.0, 1e-5, seed=s)["model"] - clean for s in range(400)])
+    noise = np.stack([sim.release(1.0, 1e-5, seed=s, reproducible=True)["model"] - clean
+                      for s in range(400)])
     central = calibrate_sigma(1.0, 1e-5, 3) * cfg.sensitivity(400)
     assert np.std(noise) / central == pytest.approx(1.0, rel=0.03)
     half = FederatedSimulator(cfg, 3, honest_fraction=0.5)
     half.local, half.sizes = sim.local, sim.sizes
-    noise_half = np.stack([half.release(1.0, 1e-5, seed=s)["model"] - clean for s in range(400)])
+    noise_half = np.stack([half.release(1.0, 1e-5, seed=s, reproducible=True)["model"] - clean
+                           for s in range(400)])
     assert np.std(noise_half) / central == pytest.approx(math.sqrt(2), rel=0.03)
 
 
@@ -448,10 +450,84 @@ def test_trainer_seed_head_and_private_fit(kind):
     np.testing.assert_allclose(head.predict(X, verbose=0), np.c_[np.ones(60), Z] @ f, rtol=1e-4, atol=1e-5)
     dense = trainer.to_dense(f)
     np.testing.assert_allclose(dense.get_weights()[1], f[0])
-    noisy, info = private_fit(X, y, cfg, 3, eps=1.0, delta=1e-3, seed=0)
+    noisy, info = private_fit(X, y, cfg, 3, eps=1.0, delta=1e-3, seed=0,
+                               reproducible=True)
     assert info["k_comp"] == (1 if kind == "softmax" else 3)
     assert info["sensitivity"] == cfg.sensitivity(60)
     with pytest.raises(ValueError):
         private_fit(X, y, cfg, 3, eps=1.0, delta=0.1)  # δ ≥ 1/n
     with pytest.raises(ValueError):
         trainer.fit(X[:3], y[:3], 3)  # fewer records than a batch
+
+
+# ---------------------------------------------------------------- one noise source, one gate
+
+
+def _simulator(**kwargs):
+    rng = np.random.default_rng(21)
+    X, y = rng.normal(size=(400, 5)), rng.integers(0, 3, 400)
+    cfg = HelmetConfig("softmax", lam=0.5, R=1.0, c=2.0, epochs=2, batch_size=5)
+    return FederatedSimulator(cfg, 3, honest_fraction=1.0, **kwargs).train(
+        X, y, split_iid(400, 10), seed=3)
+
+
+def test_default_releases_draw_fresh_noise_that_cannot_be_replayed():
+    """Two default releases used the same seed (0): anyone could replay the noise with the
+    public sizes and zero models and subtract it, recovering the noiseless sum to 1e-15."""
+    sim = _simulator()
+    clean = sim.release(1.0, 1e-5, noiseless=True)["released"]
+    first, second = sim.release(1.0, 1e-5), sim.release(1.0, 1e-5)
+    std = first["noise_std"]
+    assert np.std(first["released"] - second["released"]) > 0.5 * std
+    attacker = FederatedSimulator(sim.config, 3, honest_fraction=1.0)
+    attacker.local, attacker.sizes = np.zeros_like(sim.local), sim.sizes
+    replayed = attacker.release(1.0, 1e-5)["released"]  # pure noise, from public numbers
+    error = first["released"] - replayed - clean
+    print(f"\nstd of (release − replayed noise − noiseless sum) / noise std = {np.std(error) / std:.3f}")
+    assert np.std(error) > 0.5 * std
+
+
+def test_release_seed_needs_reproducible_and_then_replays():
+    sim = _simulator()
+    with pytest.raises(ValueError, match="reproducible"):
+        sim.release(1.0, 1e-5, seed=4)
+    a, b = (sim.release(1.0, 1e-5, seed=4, reproducible=True)["released"] for _ in range(2))
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="reproducible"):
+        private_fit(np.zeros((50, 2)), np.zeros(50, int), HelmetConfig(), 2, 1.0, 1e-3, seed=1)
+
+
+def test_simulator_gate_records_every_release_and_matches_dp_accounting(monkeypatch):
+    import dp_accounting
+
+    from kdp.helmet import dp_event
+    from kdp.helmet import federated
+    from kdp.training.gate import BudgetExceededError
+
+    sim = _simulator(delta=1e-5)
+    k = sim.config.k_comp(3)
+    sigmas = [sim.release(eps)["sigma"] for eps in (1.0, 2.0)]
+    ledger = sim.privacy_ledger
+    assert ledger is sim.privacy_gate.ledger
+    assert sum(e["count"] for e in ledger.entries) == 2
+    for accountant, make in (("rdp", dp_accounting.rdp.RdpAccountant),
+                             ("pld", dp_accounting.pld.PLDAccountant)):
+        acc = make()
+        for s in sigmas:
+            acc.compose(dp_event(s, k))
+        assert sim.privacy_spent(accountant)[0] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    assert sim.privacy_spent("pld")[0] > 2.0  # two releases compose (ε = 1 and 2 alone)
+    sim.release(1.0, noiseless=True)
+    assert sim.privacy_spent()[0] == math.inf  # a noiseless release is recorded as such
+    # a budget is checked before anything runs: no noise drawn, nothing recorded
+    capped = _simulator(epsilon_max=0.5)
+    monkeypatch.setattr(federated, "client_contribution", lambda *a: pytest.fail("ran"))
+    with pytest.raises(BudgetExceededError):
+        capped.release(1.0)
+    assert capped.privacy_ledger.entries == []
+    # centralised private_fit records its one release in the gate it returns
+    rng = np.random.default_rng(22)
+    X, y = rng.normal(size=(60, 4)), rng.integers(0, 3, 60)
+    _, info = private_fit(X, y, HelmetConfig("huber_svm", epochs=2, batch_size=4), 3, 1.0, 1e-3)
+    assert info["privacy_gate"].ledger.events() == [
+        dp_accounting.SelfComposedDpEvent(dp_event(info["sigma"], 3), 1)]

@@ -113,7 +113,16 @@ def public_subspace(g_pub, dim=None, policy="truncate", rtol=1e-5, x_pub=None):
 
 
 def gaussian_noise(shape, std, seed_generator):
-    """iid ``N(0, std²)`` of the given shape (for AdaMix: a P×C matrix, std = στ)."""
+    """iid ``N(0, std²)`` of the given shape (for AdaMix: a P×C matrix, std = στ).
+
+    ``seed_generator``: a `keras.random.SeedGenerator`, normally from
+    `kdp.training.seeds.seed_generator` (OS entropy); never ``None`` or an int,
+    which would follow Keras' global seed or replay the same noise.
+    """
+    if not isinstance(seed_generator, keras.random.SeedGenerator):
+        raise TypeError("the noise needs a keras.random.SeedGenerator "
+                        "(kdp.training.seeds.seed_generator()), got "
+                        f"{type(seed_generator).__name__}")
     return keras.random.normal(shape, stddev=1.0, seed=seed_generator) * std
 
 

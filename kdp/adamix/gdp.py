@@ -3,7 +3,7 @@
 Without subsampling, each NoisyGD step releases ``Σ_i clip_τ(g_i) + N(0, σ²τ²I)``:
 a Gaussian mechanism with sensitivity τ under add/remove-one, i.e. ``1/σ``-GDP.
 ``T`` steps compose to ``μ = √T / σ``-GDP (Dong, Roth & Su 2019; AdaMix Lemma 8 and
-Prop. 5, with the note's correction ρ = T/(2σ²), not T²/(2σ²)). A μ-GDP mechanism is
+Prop. 5, whose zCDP parameter is ρ = T/(2σ²); the paper prints T²/(2σ²)). A μ-GDP mechanism is
 (ε, δ(ε))-DP for every ε ≥ 0 with (Balle & Wang 2018, AdaMix Lemma 6)
 
     δ(ε; μ) = Φ(μ/2 − ε/μ) − e^ε Φ(−μ/2 − ε/μ).

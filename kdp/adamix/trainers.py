@@ -4,7 +4,15 @@ All trainers share one API::
 
     trainer = AdaMix(num_classes=10, epsilon=1.0, delta=1e-5, noise_multiplier=20)
     trainer.fit(x_private, y_private, public_data=(x_public, y_public))
-    trainer.error(x_test, y_test); trainer.privacy(); trainer.head  # a keras Dense
+    trainer.error(x_test, y_test); trainer.privacy_spent(); trainer.head  # a keras Dense
+
+Every trainer owns a `kdp.training.PrivacyGate` (``privacy_gate``): each noisy
+step is recorded in ``privacy_ledger`` (one ``GaussianDpEvent(σ)``) before it
+runs, and ``privacy_spent()`` composes the ledger with dp-accounting.
+`AdaMix.privacy` also reports the paper's GDP accounting of one run (tight for
+these Gaussians, so it is below ``privacy_spent(accountant="rdp")``). The noise
+comes from `kdp.training.seeds` (64 bits of OS entropy, never Keras' global
+seed) unless ``reproducible=True`` with an explicit ``seed`` (tests only).
 
 Features are L2-normalised inside the trainer (``normalize=True``; a per-example,
 data-independent map), labels are integers in ``[0, num_classes)``. The weights live
@@ -12,12 +20,13 @@ in ``trainer.head``, a bias-free `keras.layers.Dense(num_classes)`;
 `keras_model()` wraps it with `keras.layers.UnitNormalization`.
 
 Source: Golatkar, Achille, Wang, Roth, Kearns, Soatto, "Mixed Differential Privacy
-in Computer Vision", CVPR 2022 (Algorithms 1–2); see `research/dpcl_and_adamix.md`
-Part B for the corrections used here.
+in Computer Vision", CVPR 2022 (Algorithms 1–2), with the GDP composition of
+Dong, Roth and Su, "Gaussian Differential Privacy" (JRSS-B 2022).
 """
 
 import math
 
+import dp_accounting
 import keras
 import numpy as np
 from keras import ops
@@ -25,14 +34,18 @@ from keras import ops
 from kdp.adamix import core
 from kdp.adamix.diagnostics import PerInstanceLedger
 from kdp.adamix.gdp import calibrate_steps, gdp_eps, noisy_gd_event, noisy_gd_mu
+from kdp.training import seeds
+from kdp.training.gate import PrivacyGate
+from kdp.training.ledger import event_mechanism
 
 SCOPE = "private data only (add/remove one private example), for any fixed public set"
 
 
 class LinearHeadTrainer:
-    """Base: a bias-free linear softmax head trained by full-batch gradient descent."""
+    """Base: a bias-free linear softmax head trained by full-batch gradient descent,
+    with a `kdp.training.PrivacyGate` (``privacy_gate``) for its releases."""
 
-    def __init__(self, num_classes, *, normalize=True, seed=None):
+    def __init__(self, num_classes, *, normalize=True, seed=None, delta=1e-5, epsilon_max=None):
         if int(num_classes) < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         self.num_classes = int(num_classes)
@@ -40,6 +53,16 @@ class LinearHeadTrainer:
         self.seed = seed
         self.head = None
         self.history = []
+        self.privacy_gate = PrivacyGate(delta, epsilon_max=epsilon_max, name=type(self).__name__)
+
+    @property
+    def privacy_ledger(self):
+        """The `PrivacyLedger` of every release made by this trainer."""
+        return self.privacy_gate.ledger
+
+    def privacy_spent(self, accountant="rdp"):
+        """``(ε, δ)`` of every release in the ledger (dp-accounting)."""
+        return self.privacy_gate.privacy_spent(accountant)
 
     # -- data ---------------------------------------------------------------
     def _features(self, x):
@@ -159,6 +182,10 @@ class AdaMix(LinearHeadTrainer):
         averaging: None or ``"linear"`` (``w̄ = Σ_t 2t/(T(T+1)) w_t``, Algorithm 3).
         track_per_instance: keep the Prop. 14 ledger (`per_instance`, NOT for release).
         keep_trajectory: keep every ``W_t`` in ``history`` (tests, audits).
+        epsilon_max: a budget (RDP) over every `fit` of this trainer: a fit whose
+            steps would exceed it raises before it starts.
+        reproducible, seed: fix the noise (tests only; both are needed). By
+            default the noise is seeded from 64 bits of OS entropy.
 
     Choosing P: ``rank(G^pub) ≤ C − 1``, so the default (P = rank, ``"truncate"``)
     keeps at most C − 1 feature directions. The paper's P = 2000 of 2048 ResNet-50
@@ -176,12 +203,19 @@ class AdaMix(LinearHeadTrainer):
                  clip_quantile=0.9, clip_norm=None, subspace_dim=None, projection=True,
                  rank_policy="truncate", rank_rtol=1e-5, pretrain_steps=200,
                  pretrain_learning_rate=None, add_public_gradient=True, averaging=None,
-                 track_per_instance=False, keep_trajectory=False, normalize=True, seed=None):
-        super().__init__(num_classes, normalize=normalize, seed=seed)
-        if (epsilon is None) == (steps is None):
-            raise ValueError("give exactly one of epsilon and steps")
+                 track_per_instance=False, keep_trajectory=False, normalize=True, seed=None,
+                 reproducible=False, epsilon_max=None):
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta}")
+        super().__init__(num_classes, normalize=normalize, seed=seed, delta=delta,
+                         epsilon_max=epsilon_max)
+        if seed is not None and not reproducible:
+            raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
+        if reproducible and seed is None:
+            raise ValueError("reproducible=True needs an explicit seed")
+        self.reproducible = bool(reproducible)
+        if (epsilon is None) == (steps is None):
+            raise ValueError("give exactly one of epsilon and steps")
         if noise_multiplier <= 0:
             raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
         self.target_epsilon = epsilon
@@ -261,6 +295,8 @@ class AdaMix(LinearHeadTrainer):
             raise ValueError("public and private features differ in dimension")
         if self.delta >= 1.0 / max(n_pri, 1):
             raise ValueError(f"delta={self.delta} must be < 1/N_private = {1.0 / n_pri:.3g}")
+        mechanism = self.step_mechanism()
+        self.privacy_gate.check(mechanism, self.steps)  # the whole run, before anything runs
         self._build(dim)
         w = ops.zeros((dim, self.num_classes))
         if self.pretrain_steps and x_pub is not None:
@@ -268,8 +304,9 @@ class AdaMix(LinearHeadTrainer):
             w = self._gd(w, x_pub, y_pub, self.pretrain_steps, lr, self.weight_decay)
         self.public_solution = ops.convert_to_numpy(w)
         center = self._center(dim)
-        seed_gen = keras.random.SeedGenerator(self.seed)
+        seed_gen = seeds.seed_generator(self.reproducible, self.seed)
         self.per_instance = PerInstanceLedger(n_pri) if self.track_per_instance else None
+        self.privacy_gate.start_run()
         w_avg = w
         for t in range(1, self.steps + 1):
             tau, u, g_pub, rank = self.public_statistics(w, x_pub, y_pub)
@@ -277,13 +314,14 @@ class AdaMix(LinearHeadTrainer):
                       "dim": None if u is None else int(u.shape[1])}
             if self.keep_trajectory:
                 record["weights"] = ops.convert_to_numpy(w)
-            if u is not None and int(u.shape[1]) == 0:
-                update = ops.zeros_like(w)  # nothing private is released (still counted)
-                contrib = np.zeros(n_pri)
-            else:
-                noisy, _, contrib = core.private_release(w, x_pri, y_pri, tau, self.noise_multiplier,
-                                                         seed_gen, u)
-                update = noisy if u is None else ops.matmul(u, noisy)
+            with self.privacy_gate.spend(mechanism):  # recorded before the release
+                if u is not None and int(u.shape[1]) == 0:
+                    update = ops.zeros_like(w)  # nothing private is released (still counted)
+                    contrib = np.zeros(n_pri)
+                else:
+                    noisy, _, contrib = core.private_release(w, x_pri, y_pri, tau,
+                                                             self.noise_multiplier, seed_gen, u)
+                    update = noisy if u is None else ops.matmul(u, noisy)
             if self.per_instance is not None:
                 self.per_instance.record(ops.convert_to_numpy(contrib), record["tau"],
                                          self.noise_multiplier)
@@ -307,8 +345,14 @@ class AdaMix(LinearHeadTrainer):
         return ops.convert_to_tensor(c)
 
     # -- accounting ------------------------------------------------------------
+    def step_mechanism(self):
+        """The ledger key of one step: ``GaussianDpEvent(σ)`` (full batch, add/remove)."""
+        return event_mechanism(dp_accounting.GaussianDpEvent(self.noise_multiplier))
+
     def privacy(self):
-        """``{epsilon, delta, mu, steps, noise_multiplier, scope}``: μ = √T/σ GDP."""
+        """``{epsilon, delta, mu, steps, noise_multiplier, scope}`` of one run of
+        `fit`: μ = √T/σ GDP (the paper's accounting; `privacy_spent` composes
+        every run in the ledger)."""
         mu = noisy_gd_mu(self.noise_multiplier, self.steps)
         return {"epsilon": gdp_eps(mu, self.delta), "delta": self.delta, "mu": mu,
                 "steps": self.steps, "noise_multiplier": self.noise_multiplier, "scope": SCOPE}
@@ -332,13 +376,15 @@ class NoisyGD(AdaMix):
 
     def __init__(self, num_classes, *, epsilon=None, steps=None, delta=1e-5, noise_multiplier=20.0,
                  learning_rate=2.5e-3, weight_decay=1e-2, clip_norm="analytic", averaging=None,
-                 track_per_instance=False, keep_trajectory=False, normalize=True, seed=None):
+                 track_per_instance=False, keep_trajectory=False, normalize=True, seed=None,
+                 reproducible=False, epsilon_max=None):
         super().__init__(num_classes, epsilon=epsilon, steps=steps, delta=delta,
                          noise_multiplier=noise_multiplier, learning_rate=learning_rate,
                          weight_decay=weight_decay, clip_norm=clip_norm, projection=False,
                          pretrain_steps=0, add_public_gradient=False, averaging=averaging,
                          track_per_instance=track_per_instance, keep_trajectory=keep_trajectory,
-                         normalize=normalize, seed=seed)
+                         normalize=normalize, seed=seed, reproducible=reproducible,
+                         epsilon_max=epsilon_max)
 
     def _split(self, x_pri, y_pri, public_data):
         if public_data is not None:
@@ -379,7 +425,8 @@ class PublicOnly(LinearHeadTrainer):
 
 
 class NonPrivate(LinearHeadTrainer):
-    """Paragon: non-private full-batch GD on public ∪ private data (no privacy)."""
+    """Paragon: non-private full-batch GD on public ∪ private data (no privacy: its
+    ledger records a ``NonPrivateDpEvent``, ``privacy_spent()`` is ε = ∞)."""
 
     uses_public_data = True
 
@@ -395,8 +442,10 @@ class NonPrivate(LinearHeadTrainer):
             x, y = ops.concatenate([x, x_pub], 0), ops.concatenate([y, y_pub], 0)
         self._build(int(x.shape[1]))
         lr = self.learning_rate or 2.0 / int(x.shape[0])
-        w = self._gd(ops.zeros((int(x.shape[1]), self.num_classes)), x, y, self.steps, lr,
-                     self.weight_decay)
+        self.privacy_gate.start_run()
+        with self.privacy_gate.spend(event_mechanism(dp_accounting.NonPrivateDpEvent())):
+            w = self._gd(ops.zeros((int(x.shape[1]), self.num_classes)), x, y, self.steps, lr,
+                         self.weight_decay)
         self.head.kernel.assign(w)
         return self
 

@@ -72,7 +72,8 @@ def knn_accuracy(train_embeddings, train_labels, test_embeddings, test_labels, k
 
 def finetune_head(encoder, x_train, y_train, nb_classes, loss=None, epochs=5, batch_size=64,
                   noise_multiplier=1.0, delta=None, learning_rate=1e-2, tau=8.0,
-                  head_layers=None, x_test=None, y_test=None, seed=None, verbose=0):
+                  head_layers=None, x_test=None, y_test=None, seed=None, verbose=0,
+                  reproducible=False):
     """Fine-tune a Lipschitz head on frozen embeddings with the supervised DP path.
 
     The embeddings ``loss.embed(encoder(x))`` (norm ≤ 1 for cosine, ≤ r for dot)
@@ -85,6 +86,8 @@ def finetune_head(encoder, x_train, y_train, nb_classes, loss=None, epochs=5, ba
         head_layers: DP layers after `DP_BoundedInput` (default: one
             `DP_SpectralDense(nb_classes)`, a linear Lipschitz head).
         tau: temperature of `DP_TauCategoricalCrossentropy`.
+        reproducible, seed: fix the head's noise and sampling (tests only; both
+            are needed, see `kdp.DPParameters`).
 
     Returns:
         ``(head, history)``; ``history.history`` has ``val_accuracy`` if a test set
@@ -92,11 +95,13 @@ def finetune_head(encoder, x_train, y_train, nb_classes, loss=None, epochs=5, ba
     """
     import keras
 
+    from kdp.contrastive.trainer import check_seed
     from kdp.layers import DP_BoundedInput, DP_SpectralDense
     from kdp.losses import DP_TauCategoricalCrossentropy
     from kdp.model import DP_Sequential, DPParameters
     from kdp.pipeline import DatasetMetadata
 
+    check_seed(reproducible, seed)
     e_train = embed(encoder, x_train, loss)
     d = e_train.shape[1]
     bound = loss.embedding_norm_bound() if loss is not None else 1.0
@@ -104,8 +109,7 @@ def finetune_head(encoder, x_train, y_train, nb_classes, loss=None, epochs=5, ba
     delta = delta if delta is not None else 1.0 / (10 * n)
     layers = [DP_BoundedInput((d,), upper_bound=bound)]
     layers += list(head_layers) if head_layers is not None else [DP_SpectralDense(nb_classes)]
-    params = DPParameters("global", noise_multiplier, delta,
-                          reproducible=seed is not None, seed=seed)
+    params = DPParameters("global", noise_multiplier, delta, reproducible=reproducible, seed=seed)
     head = DP_Sequential(layers, dp_parameters=params,
                          dataset_metadata=DatasetMetadata((d,), nb_classes, n, batch_size))
     head.compile(optimizer=keras.optimizers.Adam(learning_rate),

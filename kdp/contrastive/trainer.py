@@ -1,7 +1,7 @@
 """DP contrastive training on pair data: Logit-DP, naive and clipless strategies.
 
 **Records and adjacency.** A record is one positive pair ``(x_i, x'_i)``;
-neighbouring datasets differ by adding or removing one pair (DESIGN §3.1).
+neighbouring datasets differ by adding or removing one pair (Dwork and Roth 2014, §2.3).
 
 **One step.** Every record is included independently with probability
 ``q = b/N`` (Poisson sampling, `kdp.pipeline.PoissonBatches`); the batch is
@@ -22,7 +22,8 @@ Strategies (``Δ`` for add/remove of one pair):
 * ``"clipless"``: no clipping and no per-pair norm: every per-pair gradient is
   bounded by ``B_pair`` from the bound pass (`clipless_pair_bound`; needs an
   encoder of kdp DP layers), ``Δ = loss.sensitivity(n_cal, B_pair)``;
-* ``"non-private"``: plain gradient, no noise, nothing accounted (a baseline).
+* ``"non-private"``: plain gradient, no noise (a baseline; recorded as a
+  ``NonPrivateDpEvent``, so its ε is ∞).
 
 **Which n calibrates the noise (``sensitivity_size``).** ``K_n`` of InfoNCE grows
 with the size ``n`` of the larger of the two batches compared. The noise scale
@@ -50,25 +51,33 @@ cost vanishes with the logit range ``a = c/τ``: ``K_{N+1}/K_b`` is 1.09 at
 configuration of notebook 06 uses the dot product with a small radius
 (``r = 0.25, τ = 1``; see `clipless_pair_bound`).
 
-**Accounting.** Each noisy step is ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``
-in a `kdp.ledger.PrivacyLedger` (the same dp-accounting events as
-`DP_Model.fit`); `privacy_spent` composes them. The loss values in the history
+**Accounting.** The trainer owns a `kdp.training.PrivacyGate` (``privacy_gate``):
+each step runs inside ``privacy_gate.spend``, which checks ``epsilon_max`` and
+records it in ``privacy_ledger`` *before* it runs, as
+``training_mechanism(σ, q, "poisson")`` (``PoissonSampledDpEvent(q,
+GaussianDpEvent(σ))``, the same event as `DP_Model.fit`); `privacy_spent`
+composes the ledger. The noise and the Poisson sampling are seeded from 64 bits
+of OS entropy (`kdp.training.seeds`, fresh at every `fit`) unless
+``reproducible=True`` with an explicit ``seed``. The loss values in the history
 are computed from the private batch without noise: they are for monitoring and
 are **not** covered by the guarantee.
 """
 
 import math
 
+import dp_accounting
 import keras
 import numpy as np
 from keras import ops
 
 from kdp import accounting
+from kdp.autodiff import compile_function
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import PairGradients, clipless_pair_bound
-from kdp.ledger import PrivacyLedger
-from kdp.autodiff import compile_function
-from kdp.pipeline import PoissonBatches, draw_seed
+from kdp.pipeline import PoissonBatches
+from kdp.training import seeds
+from kdp.training.gate import PrivacyGate
+from kdp.training.ledger import event_mechanism, training_mechanism
 
 STRATEGIES = ("logit-dp", "naive", "clipless", "non-private")
 SENSITIVITY_SIZES = ("dataset", "supremum")
@@ -94,7 +103,10 @@ class ContrastiveTrainer:
         sensitivity_size: ``"dataset"`` or ``"supremum"`` (see the module docstring).
         input_bound: input norm bound if the encoder has no `DP_BoundedInput`
             (``"clipless"`` only).
-        reproducible, seed: fix the sampling and noise seeds (tests only).
+        epsilon_max: a budget (RDP) over every release of this trainer: `fit`
+            refuses to start if its steps would exceed it.
+        reproducible, seed: fix the sampling and noise seeds (tests only; both
+            are needed). By default both come from 64 bits of OS entropy.
         jit_compile: compile the gradient computation (default True).
         block_rows, norm_method: how the exact per-pair norms are computed (see
             `PairGradients.pair_norms`).
@@ -103,7 +115,7 @@ class ContrastiveTrainer:
     def __init__(self, encoder, loss, strategy="logit-dp", batch_size=64, clip_norm=1.0,
                  noise_multiplier=None, target_epsilon=None, delta=1e-5, optimizer=None,
                  sensitivity_size="dataset", input_bound=None, reproducible=False, seed=None,
-                 jit_compile=True, block_rows=None, norm_method="gram"):
+                 jit_compile=True, block_rows=None, norm_method="gram", epsilon_max=None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if sensitivity_size not in SENSITIVITY_SIZES:
@@ -121,6 +133,7 @@ class ContrastiveTrainer:
             raise ValueError("give noise_multiplier= or target_epsilon=")
         if noise_multiplier is not None and not noise_multiplier > 0:
             raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+        check_seed(reproducible, seed)
         self.engine = PairGradients(encoder, loss, block_rows=block_rows, method=norm_method)
         self.encoder, self.loss, self.strategy = encoder, loss, strategy
         self.batch_size = int(batch_size)
@@ -131,20 +144,35 @@ class ContrastiveTrainer:
         self.sensitivity_size = sensitivity_size
         self.optimizer = optimizer or keras.optimizers.Adam(1e-3)
         self.reproducible = bool(reproducible)
-        self.seed = (0 if seed is None else int(seed)) if reproducible else None
-        self.ledger = PrivacyLedger()
+        self.seed = int(seed) if reproducible else None
+        self.privacy_gate = PrivacyGate(self.delta, epsilon_max=epsilon_max,
+                                        name=f"ContrastiveTrainer({strategy})")
         self.nb_pairs = None
         self.pair_bound = None
         if strategy == "clipless":
             self.pair_bound, self.pair_bounds = clipless_pair_bound(encoder, loss, input_bound)
-        self._noise_seed = keras.random.SeedGenerator(self._draw_seed(0))
+        self._noise_seed = seeds.seed_generator(self.reproducible, self.seed)
         compile_fn = compile_function if jit_compile else (lambda f: f)
         self._gradient_fn = compile_fn(self._raw_gradient)
         self._apply = _backend.compiled_apply(self.optimizer, jit_compile)
 
+    @property
+    def privacy_ledger(self):
+        """The `PrivacyLedger` of every release made by this trainer."""
+        return self.privacy_gate.ledger
+
+    ledger = privacy_ledger  # the name of earlier versions
+
     # -- the mechanism -----------------------------------------------------------------
     def _draw_seed(self, offset):
-        return draw_seed(self.reproducible, self.seed, offset)
+        return seeds.draw_seed(self.reproducible, self.seed, offset)
+
+    def step_mechanism(self, sampling_rate=None):
+        """The ledger key of one step at ``sampling_rate`` (default ``q = b/N``)."""
+        if self.strategy == "non-private":
+            return event_mechanism(dp_accounting.NonPrivateDpEvent())
+        q = self.sampling_rate if sampling_rate is None else sampling_rate
+        return training_mechanism(self.noise_multiplier, q, "poisson", None)
 
     def calibration_size(self):
         """``n_cal``: ``N + 1`` (``"dataset"``) or ``math.inf`` (``"supremum"``)."""
@@ -193,8 +221,14 @@ class ContrastiveTrainer:
         return list(grads), value
 
     def noisy_gradient(self, x, xp, mask=None):
-        """The released gradient ``(ḡ + 𝒩(0, σ²Δ²)) / b`` on one batch (no accounting:
-        use `fit` to train)."""
+        """The released gradient ``(ḡ + 𝒩(0, σ²Δ²)) / b`` on one batch chosen by the
+        caller, recorded as one Gaussian release without amplification (``q = 1``);
+        `fit` samples the batches itself (``q = b/N``)."""
+        self.noise_std()  # raises before anything is recorded if σ or N is missing
+        with self.privacy_gate.spend(self.step_mechanism(1.0)):
+            return self._noisy_gradient(x, xp, mask)
+
+    def _noisy_gradient(self, x, xp, mask=None):
         grads, value = self.batch_gradient(x, xp, mask)
         std = self.noise_std()
         out = []
@@ -254,6 +288,11 @@ class ContrastiveTrainer:
         ``"step_loss"``: every step's value.
         """
         x, xp, steps = self._prepare(x, xp, epochs, steps_per_epoch)
+        mechanism = self.step_mechanism()
+        self.privacy_gate.check(mechanism, epochs * steps)  # before anything runs
+        self.privacy_gate.start_run()
+        if not self.reproducible:
+            seeds.reseed(self._noise_seed)  # never replay the noise of an earlier fit
         sampler = PoissonBatches(x, xp, self.batch_size, steps_per_epoch=steps,
                                  seed=self._draw_seed(1) if self.reproducible else None)
         history = {"loss": [], "epsilon": [], "step_loss": []}
@@ -261,12 +300,10 @@ class ContrastiveTrainer:
         for epoch in range(epochs):
             losses = []
             for step in range(steps):
-                xb, xpb, wb = sampler[step]
-                grads, value = self.noisy_gradient(xb, xpb, (wb > 0).astype("float32"))
-                self._apply(grads, variables)
-                if self.strategy != "non-private":
-                    self.ledger.record_training_steps(1, self.noise_multiplier, self.sampling_rate,
-                                                      "poisson", steps)
+                with self.privacy_gate.spend(mechanism):  # recorded before the step runs
+                    xb, xpb, wb = sampler[step]
+                    grads, value = self._noisy_gradient(xb, xpb, (wb > 0).astype("float32"))
+                    self._apply(grads, variables)
                 losses.append(float(value) / self.batch_size)
             history["step_loss"].extend(losses)
             history["loss"].append(float(np.mean(losses)))
@@ -279,17 +316,12 @@ class ContrastiveTrainer:
         return history
 
     def privacy_spent(self, accountant="rdp"):
-        """``(ε, δ)`` of every noisy step taken so far (0 for non-private... which is
-        not private at all: returns ``(inf, δ)`` once it has trained)."""
-        if self.strategy == "non-private":
-            return (math.inf if self.nb_pairs else 0.0), self.delta
-        events = self.ledger.events()
-        if not events:
-            return 0.0, self.delta
-        return accounting.epsilon_of_events(events, self.delta, accountant), self.delta
+        """``(ε, δ)`` of every release in the ledger (``ε = ∞`` once a non-private
+        step was taken)."""
+        return self.privacy_gate.privacy_spent(accountant)
 
     def report(self):
-        """The parameters of the mechanism, for the record (DESIGN: always report them)."""
+        """The parameters of the mechanism, for the record."""
         return {
             "strategy": self.strategy, "loss": type(self.loss).__name__,
             "temperature": getattr(self.loss, "temperature", None),
@@ -298,9 +330,18 @@ class ContrastiveTrainer:
             "batch_size": self.batch_size, "sampling_rate": self.sampling_rate if self.nb_pairs else None,
             "noise_multiplier": self.noise_multiplier, "sensitivity_size": self.sensitivity_size,
             "sensitivity": self.sensitivity() if self.nb_pairs or self.sensitivity_size == "supremum" else None,
-            "delta": self.delta, "steps": self.ledger.training_steps(),
+            "delta": self.delta, "steps": sum(e["count"] for e in self.privacy_ledger.entries),
             "accountant": "rdp, Poisson sampling, add/remove one pair",
         }
+
+
+def check_seed(reproducible, seed):
+    """Refuse a seed without ``reproducible=True``, and ``reproducible=True``
+    without a seed: a fixed seed lets anyone replay the noise and subtract it."""
+    if seed is not None and not reproducible:
+        raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
+    if reproducible and seed is None:
+        raise ValueError("reproducible=True needs an explicit seed (tests only)")
 
 
 __all__ = ["ContrastiveTrainer", "STRATEGIES", "SENSITIVITY_SIZES"]

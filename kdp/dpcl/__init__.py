@@ -2,7 +2,7 @@
 
 DP-SimCLR privatises the similarity matrix, DP-Barlow-Twins the batch mean and
 variance, then per-view gradients are clipped to C and summed with noise. The
-paper's gradient sensitivity 4C is **unproven** (research note §A.9): mode
+paper's gradient sensitivity 4C is **unproven** (`kdp.dpcl.objectives`): mode
 ``"as-published"`` reproduces it with a warning; ``"rigorous"`` (noisy copy of
 Z / of the cross-correlation, with stop-gradient) has a proven 4C; ``"full"``
 is the paper's original 4|B|C. Its accounting composes separately subsampled

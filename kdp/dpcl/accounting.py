@@ -1,6 +1,6 @@
 """Accounting for DPCL steps: several Gaussian releases on one sampled batch.
 
-**The paper's accounting** (Li et al. §4, note §A.6): each mechanism ``m`` of a
+**The paper's accounting** (Li et al. §4): each mechanism ``m`` of a
 step is a Gaussian subsampled *without replacement* (fixed batch of ``B`` out of
 ``N``, fresh each step, replace-one adjacency), whose RDP is Wang–Balle–
 Kasiviswanathan 2019 Thm 9 (the paper's Eq. 11, integer ``α ≥ 2``)::
@@ -11,13 +11,13 @@ Kasiviswanathan 2019 Thm 9 (the paper's Eq. 11, integer ``α ≥ 2``)::
 then ``RDP(α) = T Σ_m ε'_m(α)`` and Balle et al. 2020 Thm 21:
 ``ε = RDP(α) + log((α−1)/α) − (log δ + log α)/(α−1)``, minimised over ``α``.
 `paper_epsilon` / `calibrate_paper_sigma` implement exactly that (numpy), and
-reproduce the paper's σ table (note §A.6).
+reproduce the paper's σ table (§5.2–5.3).
 
 **[flag] Composing the mechanisms of a step *after* subsampling each is not
 justified:** they all read the *same* batch, so the step is one subsampled
 mechanism whose inner part is the composition of the Gaussians, i.e. one
 Gaussian with ``σ_eff = (Σ_m σ_m^-2)^(-1/2)`` (the rule kdp uses for per-layer
-noise, DESIGN §3.3). Subsampling each separately treats them as if they saw
+noise, `kdp.accounting.effective_noise_multiplier`). Subsampling each separately treats them as if they saw
 independent batches and under-counts, by orders of magnitude at the paper's
 σ ≈ 0.4. `step_event(..., composition="joint")` (the default) is the sound
 event; ``composition="separate"`` is the paper's, kept to reproduce it.
@@ -26,8 +26,15 @@ Events are `dp_accounting` events: ``SampledWithoutReplacementDpEvent`` under
 ``NeighboringRelation.REPLACE_ONE`` (the paper's sampling and adjacency), or
 ``PoissonSampledDpEvent`` under ``ADD_OR_REMOVE_ONE`` (kdp's default; the
 mechanisms' add/remove sensitivities then apply, see `kdp.dpcl.mechanisms`).
+
+`ReplaceOneGate` is the `kdp.training.PrivacyGate` of `DPCLTrainer`: kdp's
+accountant composes under add/remove only, which has no bound for sampling
+without replacement, so this gate composes its ledger under replace-one with
+dp-accounting's RDP accountant (Wang, Balle and Kasiviswanathan 2019).
 """
 
+import functools
+import json
 import math
 
 import dp_accounting
@@ -35,9 +42,13 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 from scipy.special import gammaln
 
+from kdp.accounting import event_from_config, event_to_config
+from kdp.training.gate import PrivacyGate
+from kdp.training.ledger import mechanism_event
+
 SAMPLINGS = ("without-replacement", "poisson")
 COMPOSITIONS = ("joint", "separate")
-#: the orders of the paper's computation (note §A.6: integer α from 2 to 63).
+#: the orders of the paper's computation (integer α from 2 to 63: they reproduce its σ table).
 PAPER_ORDERS = tuple(range(2, 64))
 #: default orders of `epsilon` (dp-accounting's defaults cost O(α²) each up to 256 under
 #: sampling without replacement; beyond 128 they never win at ε ≤ 100 here).
@@ -125,6 +136,76 @@ def calibrate(target_epsilon, steps, delta, make_event, sampling="without-replac
     return hi
 
 
+# -- the ledger of a DPCL trainer -------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def _unit_rdp(event_json):
+    _, rdp = step_rdp(_event(event_json))
+    rdp.setflags(write=False)
+    return rdp
+
+
+def _event(event_json):
+    return event_from_config(json.loads(event_json))
+
+
+def ledger_rdp(events):
+    """The replace-one RDP curve (at `ORDERS`) of the composition of ``events``."""
+    total = np.zeros(len(ORDERS))
+    for event in events:
+        count = 1
+        while isinstance(event, dp_accounting.SelfComposedDpEvent):
+            count, event = count * event.count, event.event
+        if count == 0 or isinstance(event, dp_accounting.NoOpDpEvent):
+            continue
+        total = total + count * _unit_rdp(json.dumps(event_to_config(event), sort_keys=True))
+    return total
+
+
+def ledger_epsilon(events, delta, accountant="rdp"):
+    """ε at ``delta`` of ``events`` composed under replace-one (RDP only: dp-accounting's
+    PLD accountant does not analyse sampling without replacement)."""
+    if accountant != "rdp":
+        raise ValueError(f"DPCL's ledger is accounted with 'rdp' only, got {accountant!r}")
+    return float(_rdp_lib.compute_epsilon(np.asarray(ORDERS), ledger_rdp(events), delta)[0])
+
+
+class ReplaceOneGate(PrivacyGate):
+    """A `kdp.training.PrivacyGate` whose ledger and budgets are composed under
+    replace-one adjacency (`ledger_epsilon`); see the module docstring."""
+
+    def privacy_spent(self, accountant="rdp"):
+        return ledger_epsilon(self.ledger.events(), self.delta, accountant), self.delta
+
+    def remaining(self, mechanism):
+        budgets = self.budgets()
+        if not budgets:
+            return math.inf
+        spent = ledger_rdp(self.ledger.events())
+        unit = ledger_rdp([mechanism_event(mechanism, 1)])
+        orders = np.asarray(ORDERS)
+
+        def fits(n, eps_max):
+            return _rdp_lib.compute_epsilon(orders, spent + n * unit, self.delta)[0] <= eps_max
+
+        allowed = math.inf
+        for eps_max, accountant in budgets:
+            if accountant != "rdp":
+                raise ValueError(f"DPCL budgets are accounted with 'rdp' only, got {accountant!r}")
+            if not fits(0, eps_max):
+                return 0
+            if not np.any(unit > 0):
+                continue
+            hi = 1
+            while fits(hi, eps_max):
+                hi *= 2
+            lo = hi // 2
+            while hi - lo > 1:  # fits(lo), not fits(hi)
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid, eps_max) else (lo, mid)
+            allowed = min(allowed, lo)
+        return allowed
+
+
 # -- the paper's own computation (independent of dp-accounting) -----------------------------
 def _log_comb(n, k):
     return gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)
@@ -179,7 +260,7 @@ def calibrate_paper_sigma(target_epsilon, q, steps, delta, n_mechanisms=1, fixed
     return hi
 
 
-#: the paper's σ values (§5.2, §5.3; note §A.6), with N = 50 000, B = 128, δ = 1e-5, ε = 1000.
+#: the paper's σ values (§5.2, §5.3), with N = 50 000, B = 128, δ = 1e-5, ε = 1000.
 PAPER_TABLE = {
     "simclr-original": dict(sigma=0.3812, n_mechanisms=1, fixed=(), steps=78125.0),
     "simclr-dp-similarity": dict(sigma=0.4021, n_mechanisms=2, fixed=(), steps=78125.0),
@@ -190,7 +271,8 @@ PAPER_SETTING = dict(dataset_size=50000, batch_size=128, delta=1e-5, epsilon=100
 
 
 __all__ = [
-    "COMPOSITIONS", "PAPER_ORDERS", "PAPER_SETTING", "PAPER_TABLE", "SAMPLINGS",
-    "balle_conversion", "calibrate", "calibrate_paper_sigma", "epsilon", "mironov_conversion",
-    "paper_epsilon", "paper_rdp", "relation_of", "step_event", "step_rdp",
+    "COMPOSITIONS", "PAPER_ORDERS", "PAPER_SETTING", "PAPER_TABLE", "ReplaceOneGate", "SAMPLINGS",
+    "balle_conversion", "calibrate", "calibrate_paper_sigma", "epsilon", "ledger_epsilon",
+    "ledger_rdp", "mironov_conversion", "paper_epsilon", "paper_rdp", "relation_of",
+    "step_event", "step_rdp",
 ]

@@ -1,8 +1,7 @@
 """DPCL's connection-point mechanisms: Gaussian releases of batch statistics.
 
 Source: Li et al., "DPCL: Contrastive representation learning with differential
-privacy" (Research Square 2022), §3.2.2 (Thm 1) and §3.3.2 (Thms 2–3); checks
-and corrections in ``research/dpcl_and_adamix.md`` §A.3, §A.4, §A.8, §A.9.
+privacy" (Research Square 2022), §3.2.2 (Thm 1) and §3.3.2 (Thms 2–3).
 
 Every function projects the rows of ``z`` (``(n, d)``, one view per row) onto
 the unit sphere first, because every bound below needs ``‖z_k‖ = 1``, then adds
@@ -27,7 +26,7 @@ zero rows become unit rows, the ``4n−4`` entries of their rows and columns mov
 by ``≤ 1``. *SSE, add/remove:* Welford's update ``SSE(Z∪{z}) − SSE(Z) =
 N/(N+1)·(z − z̄)∘(z − z̄)`` has L2 norm ``≤ ‖z − z̄‖² ≤ 4``. *Z:* two unit rows
 each move by ``≤ 2`` (replace) or ``≤ 1`` (add). The replace-one SSE constant 6
-is the paper's; the best known lower bound is ``4(N−1)/N`` (note §A.4).
+is the paper's; the largest change we know is ``4(N−1)/N``.
 """
 
 import math
@@ -36,6 +35,8 @@ from typing import NamedTuple
 import dp_accounting
 import keras
 from keras import ops
+
+from kdp.training import seeds
 
 RELATIONS = ("replace-one", "add-remove")
 
@@ -95,11 +96,15 @@ def embedding_sensitivity(relation="replace-one", views_per_record=2):
 
 # -- releases --------------------------------------------------------------------------
 def gaussian_release(value, sensitivity, noise_multiplier, name, seed=None, noise=None):
-    """``value + Δσ·ξ``, ``ξ ~ 𝒩(0, I)`` (``noise`` = a given ``ξ``, else drawn from ``seed``)."""
+    """``value + Δσ·ξ``, ``ξ ~ 𝒩(0, I)``: ``noise`` = a given ``ξ``, else drawn from
+    ``seed`` (a `keras.random.SeedGenerator` or, for tests, an int); ``seed=None``
+    draws from 64 bits of OS entropy (`kdp.training.seeds`), never Keras' global seed.
+    A primitive: nothing is recorded (`kdp.dpcl.DPCLTrainer` records its releases)."""
     if not noise_multiplier > 0:
         raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
     std = float(sensitivity) * float(noise_multiplier)
     if noise is None:
+        seed = seeds.seed_generator() if seed is None else seed
         noise = keras.random.normal(ops.shape(value), dtype=value.dtype, seed=seed)
     value = value + std * ops.cast(noise, value.dtype)
     return Release(value, dp_accounting.GaussianDpEvent(float(noise_multiplier)),
@@ -154,7 +159,7 @@ def dp_batch_variance(z, noise_multiplier, seed=None, relation="replace-one", no
 
 def dp_embeddings(z, noise_multiplier, seed=None, relation="replace-one", noise=None):
     """``Z̃ = Z + 𝒩(0, (2√2σ)²)`` per entry: the noisy copy of the unit embeddings used by
-    the ``"rigorous"`` DP-SimCLR (note §A.9 (b)). Its Frobenius sensitivity does not grow
+    the ``"rigorous"`` DP-SimCLR (`kdp.dpcl.objectives`). Its Frobenius sensitivity does not grow
     with the batch, unlike that of ``ZZᵀ``."""
     z = unit_rows(ops.convert_to_tensor(z))
     return gaussian_release(z, embedding_sensitivity(relation), noise_multiplier, "embeddings",

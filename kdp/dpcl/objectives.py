@@ -15,7 +15,7 @@ Modes (``Δ_g``: sensitivity of ``Σ_i clip_C(g_i)``, replace-one):
   BT standardised with noisy mean/variance, gradients flowing through ``Z``
   everywhere. ``Δ_g = 4C`` **as claimed by the paper, unproven and false in
   general**: the backward pass of ``ZZᵀ`` (or of the batch sums in BT) uses
-  every raw ``z_k``, so replacing one record changes every ``g_i`` (note §A.9).
+  every raw ``z_k``, so replacing one record changes every ``g_i`` (tests/test_dpcl.py).
 * ``"full"``: the paper's "original DPSGD": exact ``S`` / statistics, no
   connection-point noise, ``Δ_g = 2nC = 4|B|C`` (proven, triangle inequality).
 * ``"rigorous"``: each view's loss depends on the batch only through released
@@ -90,7 +90,7 @@ class Spec:
         radius: BT ``"rigorous"``: clip radius ``R`` of the standardised rows
             (default ``√d``, the norm of a typical standardised row).
         var_floor: floor added to the noisy variance before the square root
-            (ṽ can be 0; note §A.9).
+            (ṽ can be 0).
     """
 
     def __init__(self, objective, mode, batch_size, dim, noise_multiplier=None, temperature=0.5,

@@ -1,6 +1,6 @@
 """DPCL training: per-view gradients clipped to C, noisy connection points, noisy sum.
 
-One step (Li et al. §3.1–3.3; note §A.3–A.4 pseudo-code), records = positive
+One step (Li et al. §3.1–3.3), records = positive
 pairs ``(x_k, x'_k)`` (two views each):
 
 1. a batch of ``B`` records sampled **without replacement, fresh every step**
@@ -12,11 +12,17 @@ pairs ``(x_k, x'_k)`` (two views each):
    `kdp.contrastive._backend.per_example_jacobians`), each clipped to ``C``;
 4. ``G̃ = (Σ_i clip_C(g_i) + 𝒩(0, (Δ_g σ_g)²)) / B`` to the optimizer.
 
-The step event is `kdp.dpcl.accounting.step_event` of all its Gaussians
-(``composition="joint"`` by default; ``"separate"`` reproduces the paper's
-accounting and **under-counts**). Mode ``"as-published"`` relies on the paper's
-unproven ``Δ_g = 4C`` (note §A.9; `kdp.dpcl.objectives`): its ε is **not** a
-proven guarantee, and the trainer warns. Poisson sampling is not implemented here.
+Every step runs inside the trainer's privacy gate (``privacy_gate``, a
+`kdp.dpcl.accounting.ReplaceOneGate`), which checks ``epsilon_max`` and records
+the step in ``privacy_ledger`` *before* it runs, as the sound joint
+`kdp.dpcl.accounting.step_event` of all its Gaussians; `privacy_spent` composes
+the ledger. ``composition="separate"`` (the paper's accounting, which
+**under-counts**) only changes the σ calibration and `composition_epsilon`.
+Mode ``"as-published"`` relies on the paper's unproven ``Δ_g = 4C``
+(`kdp.dpcl.objectives`): its ε is **not** a proven guarantee, and the trainer
+warns. Noise and batches are drawn from 64 bits of OS entropy
+(`kdp.training.seeds`) unless ``reproducible=True`` with an explicit ``seed``.
+Poisson sampling is not implemented here.
 """
 
 import math
@@ -29,10 +35,12 @@ from keras import ops
 from kdp.autodiff import compile_function
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import check_encoder
+from kdp.contrastive.trainer import check_seed
 from kdp.dpcl import accounting as A
 from kdp.dpcl.mechanisms import unit_rows
 from kdp.dpcl.objectives import Spec, gradient_sensitivity
-from kdp.pipeline import draw_seed
+from kdp.training import seeds
+from kdp.training.ledger import event_mechanism
 
 AS_PUBLISHED_WARNING = (
     "DPCL mode 'as-published' uses the paper's gradient sensitivity 4C, which relies on "
@@ -55,16 +63,21 @@ class DPCLTrainer:
         noise_multiplier: ``σ_g`` (gradient); ``connection_noise_multiplier``: σ of every
             connection-point release (default: ``σ_g``, the paper's equal split for SimCLR).
         target_epsilon: calibrate one common σ (both above equal) for `fit`'s steps instead.
-        composition: ``"joint"`` (sound) or ``"separate"`` (the paper's accounting).
-        reproducible, seed: fix the sampling and noise seeds (tests only).
+        composition: ``"joint"`` (sound) or ``"separate"`` (the paper's accounting,
+            used to calibrate σ; the ledger always holds the joint event).
+        epsilon_max: a budget (replace-one RDP) over every step of this trainer:
+            `fit` refuses to start if its steps would exceed it.
+        reproducible, seed: fix the sampling and noise seeds (tests only; both
+            are needed). By default both come from 64 bits of OS entropy.
         **spec_kwargs: `kdp.dpcl.objectives.Spec` options (temperature, lambda_offdiag, ...).
     """
 
     def __init__(self, encoder, objective="simclr", mode="rigorous", batch_size=64, clip_norm=1.0,
                  noise_multiplier=None, connection_noise_multiplier=None, target_epsilon=None,
                  delta=1e-5, optimizer=None, composition="joint", reproducible=False, seed=None,
-                 jit_compile=True, **spec_kwargs):
+                 jit_compile=True, epsilon_max=None, **spec_kwargs):
         check_encoder(encoder)
+        check_seed(reproducible, seed)
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError("give noise_multiplier= or target_epsilon=")
         if not clip_norm > 0 or not math.isfinite(clip_norm):
@@ -83,8 +96,10 @@ class DPCLTrainer:
         self.spec = None
         self.optimizer = optimizer or keras.optimizers.SGD(0.1, momentum=0.9)
         self.reproducible = bool(reproducible)
-        self.seed = (0 if seed is None else int(seed)) if reproducible else None
-        self._noise_seed = keras.random.SeedGenerator(self._draw_seed(0))
+        self.seed = int(seed) if reproducible else None
+        self._noise_seed = seeds.seed_generator(self.reproducible, self.seed)
+        self.privacy_gate = A.ReplaceOneGate(self.delta, epsilon_max=epsilon_max,
+                                             name=f"DPCLTrainer({objective}, {mode})")
         self.steps_taken, self.dataset_size = 0, None
         if noise_multiplier is not None:
             self._build_spec()
@@ -93,8 +108,10 @@ class DPCLTrainer:
         self._clipped_fn = wrap(self._clipped_sum)
         self._apply = _backend.compiled_apply(self.optimizer, jit_compile)
 
-    def _draw_seed(self, offset):
-        return draw_seed(self.reproducible, self.seed, offset)
+    @property
+    def privacy_ledger(self):
+        """The `PrivacyLedger` of every release made by this trainer."""
+        return self.privacy_gate.ledger
 
     def _build_spec(self):
         sigma_c = self.connection_noise_multiplier or self.noise_multiplier
@@ -115,14 +132,26 @@ class DPCLTrainer:
                                  **self._spec_kwargs)
         return [sigma_g] + [sigma_c] * len(spec.releases())
 
-    def step_event(self, sigma_g=None, sigma_c=None):
+    def step_event(self, sigma_g=None, sigma_c=None, composition=None):
+        """The `DpEvent` of one step (``composition``: default the trainer's)."""
         return A.step_event(self.noise_multipliers(sigma_g, sigma_c), self.dataset_size,
-                            self.batch_size, "without-replacement", self.composition)
+                            self.batch_size, "without-replacement",
+                            composition or self.composition)
 
-    def privacy_spent(self, steps=None):
-        """``(ε, δ)`` after ``steps`` (default: the steps taken), sampling without
-        replacement, replace-one adjacency. For ``"as-published"`` it rests on the
-        unproven 4C (see `AS_PUBLISHED_WARNING`)."""
+    def step_mechanism(self):
+        """The ledger key of one step: the joint (sound) `step_event`."""
+        return event_mechanism(self.step_event(composition="joint"))
+
+    def privacy_spent(self, accountant="rdp"):
+        """``(ε, δ)`` of every step in the ledger (joint events, sampling without
+        replacement, replace-one adjacency, RDP). For ``"as-published"`` it rests
+        on the unproven 4C (see `AS_PUBLISHED_WARNING`)."""
+        return self.privacy_gate.privacy_spent(accountant)
+
+    def composition_epsilon(self, steps=None):
+        """``(ε, δ)`` after ``steps`` (default: the steps taken) with the trainer's
+        ``composition``: ``"separate"`` reproduces the paper's accounting, which
+        under-counts (a report, not a guarantee)."""
         steps = self.steps_taken if steps is None else steps
         if steps == 0:
             return 0.0, self.delta
@@ -161,14 +190,26 @@ class DPCLTrainer:
                                                      np.asarray(xp, "float32")]))
 
     def draw_noise(self):
+        """Unit-normal draws for the connection points of one step."""
         return {k: keras.random.normal(s, seed=self._noise_seed)
                 for k, s in self.spec.noise_shapes().items()}
 
     def release(self, x, xp, noise=None):
-        """The connection points released on one batch (``noise``: unit normal draws)."""
+        """The connection points released on one batch chosen by the caller.
+
+        With ``noise=None`` the noise is drawn here and the release is recorded
+        (one Gaussian per connection point, without amplification). A given
+        ``noise`` (unit normals, e.g. the same in two neighbouring worlds) makes
+        it an audit tool: the caller knows the noise, nothing is recorded.
+        """
         params, others = self._variables()
-        return self._release_fn(params, others, self.views(x, xp),
-                                self.draw_noise() if noise is None else noise)
+        if noise is not None:
+            return self._release_fn(params, others, self.views(x, xp), noise)
+        sigmas = self.noise_multipliers()[1:]
+        if not sigmas:
+            return {}
+        with self.privacy_gate.spend(event_mechanism(A._inner(sigmas))):
+            return self._release_fn(params, others, self.views(x, xp), self.draw_noise())
 
     def per_view_gradients(self, x, xp, released):
         """Flattened per-view gradients ``(2B, p)`` (NumPy) with the released values fixed."""
@@ -213,22 +254,28 @@ class DPCLTrainer:
         steps = steps_per_epoch or max(1, n // self.batch_size)
         if self.spec is None:
             self._calibrate(epochs * steps)
-        rng = np.random.default_rng(self._draw_seed(1))
+        mechanism = self.step_mechanism()
+        self.privacy_gate.check(mechanism, epochs * steps)  # before anything runs
+        self.privacy_gate.start_run()
+        if not self.reproducible:
+            seeds.reseed(self._noise_seed)  # never replay the noise of an earlier fit
+        rng = seeds.numpy_generator(self.reproducible, self.seed, 1)
         variables = self.encoder.trainable_variables
         history = {"loss": [], "true_loss": [], "epsilon": []}
         std = self.gradient_sensitivity() * self.noise_multiplier
         for epoch in range(epochs):
             losses, true = [], []
             for _ in range(steps):
-                idx = rng.choice(n, self.batch_size, replace=False)  # fresh each step
-                views = self.views(x[idx], xp[idx])
-                params, others = self._variables()
-                released = self._release_fn(params, others, views, self.draw_noise())
-                summed, value, _ = self._clipped_fn(params, others, views, released)
-                grads = [(g + keras.random.normal(ops.shape(g), stddev=std,
-                                                  seed=self._noise_seed)) / self.batch_size
-                         for g in summed]
-                self._apply(grads, variables)
+                with self.privacy_gate.spend(mechanism):  # recorded before the step runs
+                    idx = rng.choice(n, self.batch_size, replace=False)  # fresh each step
+                    views = self.views(x[idx], xp[idx])
+                    params, others = self._variables()
+                    released = self._release_fn(params, others, views, self.draw_noise())
+                    summed, value, _ = self._clipped_fn(params, others, views, released)
+                    grads = [(g + keras.random.normal(ops.shape(g), stddev=std,
+                                                      seed=self._noise_seed)) / self.batch_size
+                             for g in summed]
+                    self._apply(grads, variables)
                 self.steps_taken += 1
                 losses.append(float(value))
                 true.append(float(self.spec.true_loss(self._embed(params, others, views))))

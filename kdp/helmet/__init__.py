@@ -2,7 +2,7 @@
 
 Kirschte, Meiser, Ardalan, Mohammadi, "Distributed DP-Helmet: Scalable
 Differentially Private Non-interactive Averaging of Single Layers" (arXiv
-2211.02003); notes in ``shared/research/dp_helmet.md``.
+2211.02003).
 
 * :mod:`~kdp.helmet.constants` — L, β, Λ, output sensitivity (single, group, 2R)
 * :mod:`~kdp.helmet.preprocessing` — feature clipping, bias augmentation

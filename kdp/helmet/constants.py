@@ -31,7 +31,7 @@ def augmented_bound(c, fit_intercept=True):
     """Norm bound of ``[1, x̃]`` when ``‖x̃‖ ≤ c``: ``√(c² + 1)`` (``c`` without intercept).
 
     The paper's theory assumes the augmented vector is bounded by ``c`` while its
-    code clips only ``x̃`` (note §8.2); kdp uses the exact bound.
+    code clips only ``x̃``; kdp uses the exact bound.
     """
     _positive(c=c)
     return math.sqrt(c * c + 1.0) if fit_intercept else float(c)

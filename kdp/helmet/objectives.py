@@ -11,7 +11,7 @@ One-vs-rest Huber SVM (Ex. 3.16), class k with ``ỹ_k = 2y_k − 1``:
     ``J_k(f_k) = (Λ/2)‖f_k‖² + mean_j ℓ_h(ỹ_jk f_kᵀx_j)``,
     ``ℓ_h(z) = 0 (z > 1+h); (1+h−z)²/(4h) (|1−z| ≤ h); 1 − z (z < 1−h)``.
 The K class objectives are independent; the gradient is not divided by K
-(note §8.3).
+(as in the paper's Ex. 3.16, one objective per class).
 """
 
 from keras import ops
@@ -60,7 +60,7 @@ def gradient(kind, f, x, y, lam, h=None):
 def project(kind, f, R):
     """Euclidean projection onto ``‖f‖_F ≤ R`` (softmax) or ``‖f_k‖ ≤ R`` per class (SVM).
 
-    The ball, not the sphere (note §8.1); the bias row is part of the norm.
+    The ball, not the sphere (Kirschte et al. 2022, Alg. 1); the bias row is part of the norm.
     """
     axes = (1, 2) if kind == "softmax" else (1,)
     norms = ops.sqrt(ops.sum(ops.square(f), axis=axes, keepdims=True))

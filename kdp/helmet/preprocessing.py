@@ -1,4 +1,4 @@
-"""Feature clipping and bias augmentation (DP-Helmet §3.3, note §8.2).
+"""Feature clipping and bias augmentation (Kirschte et al. 2022, §3.3).
 
 ``clip(x) = x · min(1, c/‖x‖)`` bounds every feature vector by ``c``; the
 learners then see ``[1, clip(x)]``, whose norm is at most ``√(c² + 1)``

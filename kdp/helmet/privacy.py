@@ -89,7 +89,7 @@ def epsilon_dp_accounting(sigma, delta, k_comp=1, group_size=1, discretization=1
 
 
 def privacy_report(config, num_classes, eps, delta, sizes, honest_fraction=1.0, group_size=1):
-    """Everything a release should state (note §7.F), as a dict."""
+    """Everything a release should state (its parameters and assumptions), as a dict."""
     from kdp.helmet import constants
 
     k = config.k_comp(num_classes)

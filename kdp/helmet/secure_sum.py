@@ -13,6 +13,8 @@ dropouts, no active security, no cryptographic channels.
 
 import numpy as np
 
+from kdp.training import seeds
+
 
 class SecureSum:
     """Additive secret sharing over ``Z_{2^modulus_bits}`` with ``num_servers`` servers.
@@ -78,8 +80,12 @@ class SecureSum:
         return out
 
     def sum(self, vectors, seed=None):
-        """The whole protocol: share every vector, sum per server, reconstruct, decode."""
-        rng = np.random.default_rng(seed)
+        """The whole protocol: share every vector, sum per server, reconstruct, decode.
+
+        The shares come from 64 bits of OS entropy (`kdp.training.seeds`), or
+        from ``seed`` (reproducible shares, tests only).
+        """
+        rng = seeds.numpy_generator(seed is not None, seed)
         vectors = [np.asarray(v, dtype="float64") for v in vectors]
         bound = max(float(np.max(np.abs(v))) for v in vectors) * len(vectors)
         if bound * 2.0**self.frac_bits >= 2.0 ** (self.modulus_bits - 1):

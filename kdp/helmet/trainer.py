@@ -28,6 +28,7 @@ from keras import ops
 from kdp.autodiff import compile_function
 from kdp.helmet import constants, objectives
 from kdp.helmet.preprocessing import FeatureClip, augment, clip_by_l2_norm
+from kdp.training.seeds import draw_seed, numpy_generator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +85,11 @@ class HelmetConfig:
 
 
 def sample_order(n, batch_size, epochs, seed):
-    """Mini-batch indices ``(epochs·⌊n/b⌋, b)``: one seeded permutation per epoch."""
+    """Mini-batch indices ``(epochs·⌊n/b⌋, b)``: one seeded permutation per epoch
+    (``seed=None``: 64 bits of OS entropy)."""
     if n < batch_size:
         raise ValueError(f"a dataset of {n} records is smaller than batch_size={batch_size}")
-    rng = np.random.default_rng(seed)
+    rng = numpy_generator(seed is not None, seed)
     per_epoch = (n // batch_size) * batch_size
     return np.concatenate(
         [rng.permutation(n)[:per_epoch].reshape(-1, batch_size) for _ in range(epochs)])
@@ -174,18 +176,23 @@ def train_many(datasets, configs, num_classes, seeds):
 class SingleLayerTrainer:
     """Non-private learner ``T(D, ξ)`` of DP-Helmet: projected SGD, then a Keras head.
 
+    It releases nothing private by itself: `kdp.helmet.private_fit` and
+    `kdp.helmet.FederatedSimulator` perturb its output through a privacy gate.
+
     Example:
         >>> trainer = SingleLayerTrainer(HelmetConfig("softmax", lam=1.0, R=1.0, c=1.0))
-        >>> f = trainer.fit(X, y, num_classes=10, seed=0)    # (p + 1, K)
+        >>> f = trainer.fit(X, y, num_classes=10)            # (p + 1, K)
         >>> head = trainer.to_keras(f)                       # FeatureClip → Dense
     """
 
     def __init__(self, config):
         self.config = config
 
-    def fit(self, X, y, num_classes, seed=0):
-        """The trained weights ``(p + 1, K)`` (bias row first)."""
-        return train_many([(X, y)], self.config, num_classes, [seed])[0]
+    def fit(self, X, y, num_classes, seed=None):
+        """The trained weights ``(p + 1, K)`` (bias row first). ``seed`` fixes the
+        sample order (default: 64 bits of OS entropy; the order need not be secret)."""
+        return train_many([(X, y)], self.config, num_classes,
+                          [draw_seed(seed is not None, seed)])[0]
 
     def to_dense(self, weights, **kwargs):
         """A built ``keras.layers.Dense(K)`` holding ``weights`` (kernel ``f[1:]``, bias ``f[0]``).
