@@ -57,13 +57,13 @@ def main():
     methods = [
         ("Fully-private NoisyGD (τ=1)", [2.5e-3, 5e-3, 1e-2, 2e-2],
          lambda eps: lambda lr, s: am.NoisyGD(10, epsilon=eps, delta=delta, noise_multiplier=args.sigma,
-                                              learning_rate=lr, clip_norm=1.0, seed=s)),
+                                              learning_rate=lr, clip_norm=1.0, reproducible=True, seed=s)),
         ("AdaMix, P = D (no projection)", [1e-2, 2e-2, 4e-2, 8e-2],
          lambda eps: lambda lr, s: am.AdaMix(10, epsilon=eps, delta=delta, noise_multiplier=args.sigma,
-                                             learning_rate=lr, projection=False, seed=s)),
+                                             learning_rate=lr, projection=False, reproducible=True, seed=s)),
         ("AdaMix, P = rank(G_pub) <= C-1", [1e-2, 2e-2, 4e-2, 8e-2],
          lambda eps: lambda lr, s: am.AdaMix(10, epsilon=eps, delta=delta, noise_multiplier=args.sigma,
-                                             learning_rate=lr, seed=s)),
+                                             learning_rate=lr, reproducible=True, seed=s)),
     ]
     for eps in args.epsilons:
         steps = am.calibrate_steps(eps, delta, args.sigma)

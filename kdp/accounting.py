@@ -166,14 +166,19 @@ def _rdp_epsilon(events, delta):
     # event for a self-composed event), with the one-event curves cached.
     orders = np.asarray(_rdp_lib.DEFAULT_RDP_ORDERS, dtype=float)
     total = np.zeros_like(orders)
-    for event in events:
-        count = 1
+    def add(event, count):
+        nonlocal total
         while isinstance(event, dp_accounting.SelfComposedDpEvent):
             count *= event.count
             event = event.event
-        if isinstance(event, dp_accounting.NoOpDpEvent) or count == 0:
-            continue
-        total = total + count * _unit_rdp(event)
+        if isinstance(event, dp_accounting.ComposedDpEvent):
+            for inner in event.events:
+                add(inner, count)
+        elif not isinstance(event, dp_accounting.NoOpDpEvent) and count:
+            total = total + count * _unit_rdp(event)
+
+    for event in events:
+        add(event, 1)
     return float(_rdp_lib.compute_epsilon(orders, total, delta)[0])
 
 

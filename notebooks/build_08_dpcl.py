@@ -13,7 +13,7 @@ Li et al. (2022) add Gaussian noise to the batch's *connection points* (the simi
 for SimCLR, the batch mean and variance for Barlow Twins), clip each **per-view** gradient to C,
 and claim the summed gradient then has sensitivity **4C** instead of 4|B|C. That claim is
 **unproven**: the backward pass of ZZᵀ still reads every raw embedding, so replacing one record
-changes every per-view gradient (research note §A.9; `tests/test_dpcl.py` shows it by brute force).
+changes every per-view gradient (`tests/test_dpcl.py` shows it by brute force).
 Their accounting also composes separately subsampled mechanisms that read the same batch, which
 under-counts. `kdp.dpcl` offers:
 

@@ -2,8 +2,7 @@
 
 Every expected value here is computed independently of kdp: directly with
 `dp_accounting`, with the analytic Gaussian mechanism of Balle & Wang (2018)
-written out below with `math.erf`, or read from the anchor table of
-``research/clipless_dpsgd_bethune.md`` §4.4.
+written out below with `math.erf`, or read from the experimental settings of Béthune et al. (2024).
 """
 
 import math
@@ -113,7 +112,7 @@ def test_max_steps_is_zero_when_one_step_is_too_much():
 
 @pytest.mark.parametrize("noisify,units,expected", [("global", (), 92), ("per-layer", (8, 8, 8, 4), 11)])
 def test_get_max_epochs_anchor_and_bracket(noisify, units, expected):
-    # research note §4.4: MNIST N = 60 000, b = 1000, σ = 2, ε_max = 3 (RDP): 92 global, 11 per-layer D=4.
+    # Béthune et al. 2024 settings: MNIST N = 60 000, b = 1000, σ = 2, ε_max = 3 (RDP): 92 global, 11 per-layer D=4.
     model = _model(noisify, units=units)
     epochs = accounting.get_max_epochs(3.0, model)
     assert epochs == expected
@@ -155,7 +154,7 @@ def test_per_layer_sigma_eff_uses_the_noise_coefficients():
     assert model.effective_noise_multiplier() == pytest.approx((6.0**-2 + 2.0**-2) ** -0.5)
 
 
-# --- the anchor table (research note §4.4) -------------------------------------------
+# --- the anchor table (Béthune et al. 2024) -------------------------------------------
 
 @pytest.mark.parametrize("epochs,rdp_g,pld_g,rdp_l,pld_l", [
     (1, 0.323, 0.259, 1.485, 1.016),

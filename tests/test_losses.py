@@ -1,4 +1,4 @@
-"""The losses' per-example Lipschitz constants, checked numerically (DESIGN §3.6).
+"""The losses' per-example Lipschitz constants, checked numerically (Béthune et al. 2024, §3).
 
 For every loss, ``‖∂ℓ_i/∂ŷ_i‖₂ ≤ get_L()`` on random, extreme, unbalanced and
 adversarial (gradient-ascent) logits; the largest ratio found is printed and,

@@ -23,7 +23,7 @@ class DPParameters:
             ``"shuffle"`` (shuffled batches of at most ``b`` records, each record
             at most once per pass, e.g. from a `tf.data` pipeline; accounted
             without amplification under replace-one, one Gaussian per pass).
-        reproducible: fix the noise and sampling seeds (``seed``, default 0).
+        reproducible: fix the noise and sampling seeds to ``seed`` (required).
             **For tests only**: by default every draw is seeded from the OS
             entropy, so nobody can predict the noise.
         seed: the seed used when ``reproducible=True``.
@@ -62,12 +62,14 @@ class DPParameters:
             raise ValueError(f"sampling must be one of {accounting.SAMPLINGS}, got {sampling!r}")
         if seed is not None and not reproducible:
             raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
+        if reproducible and seed is None:
+            raise ValueError("reproducible=True needs an explicit seed (tests only): no seed is a default")
         self.noisify_strategy = noisify_strategy
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
         self.sampling = sampling
         self.reproducible = bool(reproducible)
-        self.seed = (0 if seed is None else int(seed)) if reproducible else None
+        self.seed = int(seed) if reproducible else None
         self.allow_large_delta = bool(allow_large_delta)
         if epsilon_max is not None and not (epsilon_max > 0 and math.isfinite(epsilon_max)):
             raise ValueError(f"epsilon_max must be a finite number > 0, got {epsilon_max}")

@@ -3,7 +3,7 @@
 A `PrivacyGate` owns a `PrivacyLedger`, the budgets that bound it and, during a
 training run, a write-ahead `LedgerJournal`. Every path that can release
 something computed from private data (`fit`, `train_on_batch` and custom loops
-around it, the trainers of `kdp.methods`, adaptive clipping's quantiles) goes
+around it, the trainers of `kdp.contrastive`, `kdp.dpcl`, `kdp.adamix`, `kdp.helmet`, adaptive clipping's quantiles) goes
 through `PrivacyGate.spend`, which
 
 1. refuses the release, before anything runs, if any budget would be exceeded

@@ -1,7 +1,7 @@
 """The privacy ledger: every private release made with a dataset.
 
 One ledger type serves every mechanism in kdp (Clipless and clipping DP-SGD,
-adaptive clipping, the trainers of `kdp.methods`). It is treated like committed
+adaptive clipping, the trainers of `kdp.contrastive`, `kdp.dpcl`, `kdp.adamix`, `kdp.helmet`). It is treated like committed
 data in a database:
 
 * every entry belongs to a **run** (one `fit`, one trainer run, one release),
