@@ -56,6 +56,7 @@ def reseed(generator):
     state = generator.state
     dtype = keras.backend.standardize_dtype(state.dtype)
     modulus = 2**32 if dtype == "uint32" else 2**31 - 2
-    words = [os_seed() % modulus for _ in range(2)]
+    entropy = os_seed(2 * SEED_BITS)  # one read: each word from its own 64 bits
+    words = [((entropy >> (SEED_BITS * i)) & (2**SEED_BITS - 1)) % modulus for i in range(2)]
     state.assign(np.array(words, dtype=dtype))
     return generator
