@@ -28,7 +28,7 @@ from kdp.training import budget, objective, saving, seeds
 from kdp.training.config import NOISIFY_STRATEGIES, DPParameters  # noqa: F401 (public names)
 from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import LedgerJournal, PrivacyLedger
-from kdp.training.sampling import PoissonBatches, ShuffledBatches
+from kdp.training.sampling import fit_batches
 from kdp.training.validation import validate_batch, validate_stream
 
 
@@ -291,15 +291,9 @@ class DPModelMixin:
             )
         if _is_arrays(x):
             x, y, weights = self._check_arrays(x, y, sample_weight, class_weight)
-            seed = params.draw_seed(offset=1) if params.reproducible else None
-            replicas = distribute.num_replicas(self)  # data-parallel: shard the global batch
-            if params.sampling == "poisson":
-                x, steps_per_epoch = self._poisson_batches(x, y, weights, steps_per_epoch, seed, replicas)
-            elif md.batch_size % replicas:
-                raise ValueError(f"shuffled batches of b={md.batch_size} records cannot be split "
-                                 f"evenly over {replicas} replicas: choose b divisible by {replicas}")
-            else:
-                x = ShuffledBatches(x, y, md.batch_size, weights, steps_per_epoch, seed=seed)
+            x, steps_per_epoch = fit_batches(
+                x, y, weights, md.batch_size, params, steps_per_epoch,
+                replicas=distribute.num_replicas(self))  # data-parallel: shard the global batch
             y = sample_weight = None
         elif params.sampling == "poisson":
             raise ValueError(
@@ -331,27 +325,6 @@ class DPModelMixin:
         finally:
             gate.journal = None
             _set_step_plan(self, None)
-
-    def _poisson_batches(self, x, y, weights, steps_per_epoch, seed, replicas):
-        """``(data, steps_per_epoch)`` for Keras' `fit`: `PoissonBatches` padded to
-        ``dp_parameters.batch_shapes`` sizes.
-
-        * TensorFlow fixes a `PyDataset`'s batch shape from its first two batches:
-          with several sizes it gets an endless `tf.data` stream whose batch axis
-          is unknown instead (not under tf.distribute, which keeps one size).
-        * On an accelerator a second thread prepares the next batch while the step
-          runs (there the host work is most of a small step). Not on the CPU, where
-          the step uses every core and Keras' thread pool costs ≈ 0.1 s per epoch;
-          not when seeded, where one draw order is wanted.
-        """
-        tensorflow = keras.backend.backend() == "tensorflow"
-        shapes = 1 if tensorflow and replicas > 1 else self.dp_parameters.batch_shapes
-        workers = 2 if seed is None and distribute.on_accelerator() else 1
-        batches = PoissonBatches(x, y, self.dataset_metadata.batch_size, weights, steps_per_epoch,
-                                 seed=seed, multiple_of=replicas, shapes=shapes, workers=workers)
-        if tensorflow and len(batches.shapes) > 1:
-            return batches.as_tf_dataset(), len(batches)
-        return batches, steps_per_epoch
 
     def _check_arrays(self, x, y, sample_weight, class_weight):
         n = self.dataset_metadata.nb_samples_train

@@ -101,7 +101,7 @@ def _worker():
             sampled.append((len(bw), len(self._idx), self.sampling_rate))
             return bx, by, bw
 
-    kdp.model.PoissonBatches = RecordingBatches
+    kdp.training.sampling.PoissonBatches = RecordingBatches
 
     def sampling():
         rows, records, rates = zip(*sampled)

@@ -13,6 +13,7 @@ import threading
 import keras
 import numpy as np
 
+from kdp import distribute
 from kdp.training.seeds import draw_seed, numpy_generator
 
 
@@ -218,3 +219,40 @@ def _pad(array, idx, size):
     np.take(array, idx, axis=0, out=out[: len(idx)])
     out[len(idx):] = 0
     return out
+
+
+def fit_batches(x, y, weights, batch_size, params, steps_per_epoch=None, replicas=1):
+    """``(data, steps_per_epoch)`` for Keras' `fit` on validated arrays.
+
+    Poisson sampling (``params.sampling == "poisson"``): `PoissonBatches` padded to
+    ``params.batch_shapes`` sizes. TensorFlow fixes a `PyDataset`'s batch shape
+    from its first two batches, so with several sizes it gets an endless
+    `tf.data` stream whose batch axis is unknown (not under `tf.distribute`, which
+    keeps one size). On an accelerator a second thread prepares the next batch
+    while the step runs (there the host work is most of a small step); not on the
+    CPU, where the step uses every core and Keras' thread pool costs ≈ 0.1 s per
+    epoch, nor when seeded, where one draw order is wanted.
+
+    Shuffled passes (``"shuffle"``): `ShuffledBatches` of exactly ``b`` records.
+
+    Args:
+        x, y, weights: the training arrays (``N`` rows) and per-record weights.
+        batch_size: the expected batch size ``b``.
+        params: the model's `DPParameters` (sampling, batch shapes, seed).
+        steps_per_epoch: Keras' argument (default: one pass).
+        replicas: data-parallel replicas sharing each global batch.
+    """
+    seed = params.draw_seed(offset=1) if params.reproducible else None
+    if params.sampling == "shuffle":
+        if batch_size % replicas:
+            raise ValueError(f"shuffled batches of b={batch_size} records cannot be split "
+                             f"evenly over {replicas} replicas: choose b divisible by {replicas}")
+        return ShuffledBatches(x, y, batch_size, weights, steps_per_epoch, seed=seed), steps_per_epoch
+    tensorflow = keras.backend.backend() == "tensorflow"
+    shapes = 1 if tensorflow and replicas > 1 else params.batch_shapes
+    workers = 2 if seed is None and distribute.on_accelerator() else 1
+    batches = PoissonBatches(x, y, batch_size, weights, steps_per_epoch, seed=seed,
+                             multiple_of=replicas, shapes=shapes, workers=workers)
+    if tensorflow and len(batches.shapes) > 1:
+        return batches.as_tf_dataset(), len(batches)
+    return batches, steps_per_epoch
