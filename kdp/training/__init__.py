@@ -9,3 +9,11 @@
 * `budget`: a model's per-step mechanism, planned releases, ε of more epochs;
 * `saving`: the ledger inside every weights file.
 """
+
+from kdp.training.config import DPParameters
+from kdp.training.gate import BudgetExceededError, PrivacyGate, PrivacyGateError
+from kdp.training.ledger import LedgerJournal, PrivacyLedger
+from kdp.training.validation import DataValidationError
+
+__all__ = ["BudgetExceededError", "DPParameters", "DataValidationError", "LedgerJournal",
+           "PrivacyGate", "PrivacyGateError", "PrivacyLedger"]
