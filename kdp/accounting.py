@@ -252,18 +252,24 @@ def max_count(epsilon_max, delta, events_of, spent_events=(), accountant="rdp", 
         return epsilon_of_events(spent_events + extra + list(events_of(units * unit)), delta,
                                  accountant)
 
-    if eps(0) > epsilon_max:
+    return largest_count(lambda units: eps(units) <= epsilon_max) * unit
+
+
+def largest_count(fits):
+    """Largest ``n ≥ 0`` with ``fits(n)``, for a predicate true up to some ``n`` and
+    false beyond (0 if ``fits(0)`` is false). Doubling, then bisection."""
+    if not fits(0):
         return 0
     hi = 1
-    while eps(hi) <= epsilon_max:
+    while fits(hi):
         hi *= 2
         if hi > 1 << 40:
-            raise ValueError("epsilon_max is never reached: is the noise infinite?")
-    lo = hi // 2 if hi > 1 else 0
-    while hi - lo > 1:  # invariant: eps(lo) <= epsilon_max < eps(hi)
+            raise ValueError("the budget is never reached: is the noise infinite?")
+    lo = hi // 2
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if eps(mid) <= epsilon_max else (lo, mid)
-    return lo * unit
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="rdp",

@@ -42,7 +42,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 from scipy.special import gammaln
 
-from kdp.accounting import event_from_config, event_to_config
+from kdp.accounting import event_from_config, event_to_config, largest_count
 from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import mechanism_event
 
@@ -193,16 +193,8 @@ class ReplaceOneGate(PrivacyGate):
                 raise ValueError(f"DPCL budgets are accounted with 'rdp' only, got {accountant!r}")
             if not fits(0, eps_max):
                 return 0
-            if not np.any(unit > 0):
-                continue
-            hi = 1
-            while fits(hi, eps_max):
-                hi *= 2
-            lo = hi // 2
-            while hi - lo > 1:  # fits(lo), not fits(hi)
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid, eps_max) else (lo, mid)
-            allowed = min(allowed, lo)
+            if np.any(unit > 0):
+                allowed = min(allowed, largest_count(lambda n, e=eps_max: fits(n, e)))
         return allowed
 
 
