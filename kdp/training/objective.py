@@ -70,18 +70,24 @@ def noise_term(model, seed_generator):
 
 
 def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
-    """The training objective (noisy when ``training``; the gate must be open)."""
+    """The training objective (noisy when ``training``; the gate must be open).
+
+    Outside training (`evaluate`, ``val_loss``, `test_on_batch`) the loss means
+    what it means in Keras: the weighted per-example losses averaged over the
+    batch's rows (``sum_over_batch_size``), plus the regularization losses."""
     values = model.loss.call(y, y_pred)
     if sample_weight is not None:
         values = values * ops.reshape(ops.cast(sample_weight, values.dtype), ops.shape(values))
+    if not training:
+        rows = ops.cast(ops.shape(values)[0], values.dtype)
+        total = ops.sum(values) / ops.maximum(rows, 1.0)
+        return total + ops.sum(model.losses) if model.losses else total
     b = model.dataset_metadata.batch_size
-    if training and model.dp_parameters.clipping_norm is not None:
+    if model.dp_parameters.clipping_norm is not None:
         total = clipping.clipped_objective(model, x, y, values, sample_weight)  # grad: ḡ/b
     else:
         total = ops.sum(values) / b
     if model.losses:
         total = total + ops.sum(model.losses) * ops.cast(distribute.noise_share(), total.dtype)
-    if training:
-        model.privacy_gate.require_open()
-        total = total + noise_term(model, seed_generator)
-    return total
+    model.privacy_gate.require_open()
+    return total + noise_term(model, seed_generator)

@@ -1,0 +1,50 @@
+"""Outside the private objective, numbers mean what they mean in Keras.
+
+`evaluate`, ``val_loss`` and `test_on_batch` report the mean per-example loss
+over the evaluated rows, whatever the evaluation batch size; the training step
+alone divides by the expected batch size ``b`` (the private objective).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from kdp import layers, losses
+from kdp.model import DP_Sequential, DPParameters
+from kdp.pipeline import DatasetMetadata
+
+D, K, N, B = 8, 4, 256, 64
+
+
+def _model():
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((D,), 2.0), layers.DP_QuickSpectralDense(16), layers.DP_GroupSort(2),
+         layers.DP_QuickSpectralDense(K)],
+        dp_parameters=DPParameters("global", 2.0, 1e-3), dataset_metadata=DatasetMetadata((D,), K, N, B))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=losses.DP_TauCategoricalCrossentropy(4.0))
+    return model
+
+
+def _data(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, D)).astype("float32"), rng.integers(0, K, n)
+
+
+@pytest.mark.parametrize("batch_size", [1, 32, 256])
+def test_evaluate_reports_the_mean_loss_at_any_batch_size(batch_size):
+    x, y = _data(N, 0)
+    x_test, y_test = _data(200, 1)
+    model = _model()
+    model.fit(x, y, epochs=1, verbose=0)
+    truth = float(np.mean(keras.ops.convert_to_numpy(model.loss.call(y_test, model.predict(x_test, verbose=0)))))
+    got = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
+    assert got == pytest.approx(truth, rel=1e-4)  # was 1.6 % (batch 1) to 312 % (256) of it
+
+
+def test_val_loss_is_the_mean_validation_loss():
+    x, y = _data(N, 0)
+    x_val, y_val = _data(100, 2)
+    model = _model()
+    history = model.fit(x, y, epochs=2, verbose=0, validation_data=(x_val, y_val))
+    truth = float(np.mean(keras.ops.convert_to_numpy(model.loss.call(y_val, model.predict(x_val, verbose=0)))))
+    assert history.history["val_loss"][-1] == pytest.approx(truth, rel=1e-4)
