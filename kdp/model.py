@@ -38,8 +38,9 @@ def _as(cls, value):
 
 class _GateCallback(keras.callbacks.Callback):
     """`fit`'s side of the gate: takes back the steps of a block that provably did
-    not run (the end of an epoch inside a ``steps_per_execution`` block) and stops
-    training, with a warning, before a block the budgets would not allow.
+    not run (the end of an epoch inside a ``steps_per_execution`` block), stops
+    training, with a warning, before a block the budgets would not allow, and
+    writes ``epsilon`` and ``delta`` (RDP) into every epoch's logs.
 
     The gate itself records each block before it runs (the wrapped train
     function); this callback is first in `fit`'s list, so other callbacks
@@ -70,6 +71,12 @@ class _GateCallback(keras.callbacks.Callback):
         if gate.remaining(self.mechanism) < self._block():
             self._model.stop_training = True
             self._model._budget_stop = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        # First in fit's list: every later callback (History, TensorBoard,
+        # checkpoints, the user's) sees ε and δ, with or without DP_Accountant.
+        if logs is not None:
+            logs["epsilon"], logs["delta"] = self._model.privacy_spent()
 
     def on_train_end(self, logs=None):
         if getattr(self._model, "_budget_stop", False):

@@ -48,3 +48,24 @@ def test_val_loss_is_the_mean_validation_loss():
     history = model.fit(x, y, epochs=2, verbose=0, validation_data=(x_val, y_val))
     truth = float(np.mean(keras.ops.convert_to_numpy(model.loss.call(y_val, model.predict(x_val, verbose=0)))))
     assert history.history["val_loss"][-1] == pytest.approx(truth, rel=1e-4)
+
+
+class _SeesLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(dict(logs or {}))
+
+
+def test_epsilon_is_in_the_epoch_logs_without_a_callback_and_before_any():
+    x, y = _data(N, 0)
+    model = _model()
+    first = _SeesLogs()  # e.g. TensorBoard or ModelCheckpoint("m_eps{epsilon:.2f}.keras") placed first
+    history = model.fit(x, y, epochs=3, verbose=0, callbacks=[first])
+    spent = [model.privacy_spent()[0]]
+    assert history.history["epsilon"][-1] == pytest.approx(spent[0], rel=1e-9)
+    assert history.history["epsilon"] == sorted(history.history["epsilon"])  # one value per epoch
+    assert [logs["epsilon"] for logs in first.seen] == history.history["epsilon"]
+    assert history.history["delta"] == [1e-3] * 3
