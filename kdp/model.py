@@ -91,15 +91,25 @@ class DPModelMixin:
     """DP training shared by `DP_Model` and `DP_Sequential`."""
 
     def _init_dp(self, dp_parameters, dataset_metadata, ledger=None):
-        self.dp_parameters = _as(DPParameters, dp_parameters)
+        self.privacy_gate = PrivacyGate(1e-5, _as(PrivacyLedger, ledger) or PrivacyLedger(),
+                                        name=self.name)
+        self.dp_parameters = dp_parameters
         self.dataset_metadata = _as(DatasetMetadata, dataset_metadata)
         params = self.dp_parameters
-        self.privacy_gate = PrivacyGate(
-            params.delta if params is not None else 1e-5,
-            _as(PrivacyLedger, ledger) or PrivacyLedger(),
-            params.epsilon_max if params is not None else None, name=self.name)
         if params is not None:
             self._noise_seed = seeds.seed_generator(params.reproducible, params.seed)
+
+    @property
+    def dp_parameters(self):
+        """The model's immutable `DPParameters` (assign a new one to change them)."""
+        return self._dp_parameters
+
+    @dp_parameters.setter
+    def dp_parameters(self, params):
+        self._dp_parameters = params = _as(DPParameters, params)
+        if params is not None:  # the gate reports at this δ and enforces this budget
+            self.privacy_gate.delta = params.delta
+            self.privacy_gate.epsilon_max = params.epsilon_max
 
     @property
     def privacy_ledger(self):
@@ -109,12 +119,6 @@ class DPModelMixin:
     @privacy_ledger.setter
     def privacy_ledger(self, ledger):
         self.privacy_gate.ledger = ledger
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if name == "dp_parameters" and value is not None and hasattr(self, "privacy_gate"):
-            self.privacy_gate.delta = value.delta
-            self.privacy_gate.epsilon_max = value.epsilon_max
 
     def _reseed_noise(self):
         """A fresh noise state from the OS entropy (unless ``reproducible``), at
@@ -150,6 +154,27 @@ class DPModelMixin:
         if bad:
             raise BoundError(f"non-finite gradient bounds: {bad}")
         return bounds
+
+    def _noise_signature(self):
+        """What a traced step bakes in: the privacy configuration and the public
+        noise coefficients."""
+        if self.dp_parameters is None:
+            return None
+        return repr((
+            self.dp_parameters.get_config(),
+            None if self.dataset_metadata is None else self.dataset_metadata.get_config(),
+            sorted(objective.noise_coefficients(self).items()),
+        ))
+
+    def _check_dp_once(self):
+        """`check_dp` unless it already passed for this configuration, loss,
+        optimizer and set of trainable variables (`fit` checks before building
+        the step, which would check again)."""
+        key = repr((self._noise_signature(), id(self.loss), id(self.optimizer),
+                    [v.path for v in self.trainable_variables]))
+        if key != getattr(self, "_dp_checked", None):
+            self.check_dp()
+            self._dp_checked = key
 
     def project_weights(self):
         """Apply every variable's constraint (the certified projections of the
@@ -200,17 +225,13 @@ class DPModelMixin:
         would add the old noise while the ledger records the new one. (Clip
         thresholds live in variables and are read by the step itself.)
         """
-        signature = None if self.dp_parameters is None else repr((
-            self.dp_parameters.get_config(),
-            None if self.dataset_metadata is None else self.dataset_metadata.get_config(),
-            sorted(objective.noise_coefficients(self).items()),
-        ))
+        signature = self._noise_signature()
         if signature != getattr(self, "_traced_noise_signature", None):
             force = True
         self._traced_noise_signature = signature
         if self.train_function is not None and not force:
             return self.train_function
-        self.check_dp()
+        self._check_dp_once()
         self._set_cotangent_scale()
         super().make_train_function(force=True)
         self.train_function = self._gated(self.train_function)
@@ -286,7 +307,7 @@ class DPModelMixin:
         the validator. ``sample_weight`` and ``class_weight`` must lie in [0, 1].
         Other arguments are those of `keras.Model.fit`.
         """
-        self.check_dp()
+        self._check_dp_once()
         self._set_cotangent_scale()
         spec = self.privacy_spec()
         md, params = self.dataset_metadata, self.dp_parameters

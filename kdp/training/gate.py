@@ -113,8 +113,8 @@ class PrivacyGate:
         return allowed
 
     def _fingerprint(self):
-        return (len(self.ledger.entries), sum(e["count"] for e in self.ledger.entries),
-                tuple(self.plans))
+        """Changes whenever the ledger or the plans may have changed (O(1))."""
+        return id(self.ledger), self.ledger.version, len(self.ledger.entries), tuple(self.plans)
 
     def check(self, mechanism, count=1):
         """Raise `BudgetExceededError` unless ``count`` more releases fit every budget."""

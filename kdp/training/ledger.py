@@ -68,6 +68,7 @@ class PrivacyLedger:
 
     def __init__(self, entries=None):
         self.entries = [dict(e) for e in entries or []]
+        self.version = 0  # bumped by every record/retract (lets the gate cache budgets)
         for e in self.entries:
             if e.get("kind") not in KINDS or "run" not in e or "seq" not in e:
                 raise ValueError(f"malformed privacy ledger entry: {e}")
@@ -82,6 +83,7 @@ class PrivacyLedger:
             raise ValueError(f"count must be >= 0, got {count}")
         if count == 0:
             return
+        self.version += 1
         last = self.entries[-1] if self.entries else None
         if last is not None and last["run"] == run and _mechanism(last) == mechanism:
             last["count"] += count
@@ -97,6 +99,7 @@ class PrivacyLedger:
         last = self.entries[-1] if self.entries else None
         if last is None or last["run"] != run or last["count"] < count:
             raise ValueError(f"cannot retract {count} releases of run {run} from {self.entries}")
+        self.version += 1
         last["count"] -= int(count)
         if last["count"] == 0:
             self.entries.pop()
