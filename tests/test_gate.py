@@ -316,3 +316,27 @@ def test_a_step_that_fails_before_running_is_not_charged():
     assert clip.privacy_ledger.training_steps() == 0
     clip.train_on_batch(x[:16], y[:16])
     assert clip.privacy_ledger.training_steps() == 1
+
+
+def test_budget_allowance_follows_every_change_of_the_ledger():
+    """The gate caches how many steps a budget allows; any change of the ledger
+    (through the gate, directly, or by a merge) must be seen."""
+    from kdp.training.gate import PrivacyGate
+    from kdp.training.ledger import PrivacyLedger, training_mechanism
+
+    step = training_mechanism(2.0, 0.25, "poisson", 4)
+    gate = PrivacyGate(1e-3, epsilon_max=_gaussian_eps(2.0, 0.25, 40, 1e-3) * (1 + 1e-9))
+    assert gate.remaining(step) == 40
+    with gate.spend(step, 5):
+        pass
+    assert gate.remaining(step) == 35
+    gate.ledger.record(step, 3, gate.run)  # outside the gate, into the same entry
+    assert gate.remaining(step) == 32
+    other = PrivacyLedger()
+    other.record(step, 10, "another-training")
+    gate.merge(other)
+    assert gate.remaining(step) == 22
+    with pytest.raises(RuntimeError, match="budget"):
+        with gate.spend(step, 23):
+            pass
+    assert gate.ledger.training_steps() == 18  # the refused block recorded nothing
