@@ -230,9 +230,26 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
         while lo > 1e-3 and epsilon_of_events([event(lo)], delta, "pld") <= target_epsilon:
             lo /= 2
         bracket = dp_accounting.ExplicitBracketInterval(lo, hi)
-    return float(dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(accountant), event, target_epsilon, delta, bracket, tol=1e-4,
-    ))
+    sigma = dp_accounting.calibrate_dp_mechanism(
+        lambda: _accountant(accountant), event, target_epsilon, delta, bracket, tol=1e-4)
+    return CalibratedNoiseMultiplier(sigma, target_epsilon, sampling_rate, steps, delta,
+                                     accountant, sampling, steps_per_epoch)
+
+
+class CalibratedNoiseMultiplier(float):
+    """A σ returned by `calibrate_noise_multiplier`: a float that remembers what it
+    was calibrated for (``target_epsilon, sampling_rate, steps, delta,
+    accountant, sampling, steps_per_epoch``), so that a model whose steps are
+    not one Gaussian of multiplier σ (per-layer noise) can warn
+    (`kdp.training.budget.plain_calibration_warning`)."""
+
+    def __new__(cls, sigma, target_epsilon, sampling_rate, steps, delta, accountant="rdp",
+                sampling="poisson", steps_per_epoch=None):
+        self = super().__new__(cls, sigma)
+        self.calibration = dict(target_epsilon=target_epsilon, sampling_rate=sampling_rate,
+                                steps=steps, delta=delta, accountant=accountant,
+                                sampling=sampling, steps_per_epoch=steps_per_epoch)
+        return self
 
 
 def max_count(epsilon_max, delta, events_of, spent_events=(), accountant="rdp", unit=1,

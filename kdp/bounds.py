@@ -103,7 +103,9 @@ def _check(op):
             "has no DP bound protocol, so no per-example gradient bound can be "
             "certified through it. Use kdp.layers (e.g. DP_QuickSpectralDense for "
             "Dense, DP_LayerCentering instead of BatchNormalization, no Dropout) or "
-            "implement propagate_inputs / backpropagate_inputs / backpropagate_params."
+            "implement propagate_inputs / backpropagate_inputs / backpropagate_params. "
+            "Or keep the layer and train with per-example clipping instead: "
+            "DPParameters(clipping_norm=...)."
         )
     if problem is None and "call" in vars(op):
         problem = "has its call() replaced on the instance: its bounds describe another call()."
@@ -246,7 +248,8 @@ def loss_lipschitz(loss):
     if get_l is None:
         raise BoundError(
             f"Loss {loss!r} has no get_L(): its per-example Lipschitz constant is "
-            "unknown, so the noise cannot be calibrated. Use a kdp.losses loss."
+            "unknown, so the noise cannot be calibrated. Use a kdp.losses loss, or keep "
+            "this loss and train with per-example clipping: DPParameters(clipping_norm=...)."
         )
     return get_l()
 

@@ -24,12 +24,12 @@ from kdp.bounds import BoundError, compute_gradient_bounds, loss_lipschitz
 from kdp.layers.base import serializable
 from kdp.layers.clip import DP_ClipGradient
 from kdp.metadata import DatasetMetadata
-from kdp.training import budget, objective, saving, seeds
+from kdp.training import budget, objective, saving, seeds, statement
 from kdp.training.config import NOISIFY_STRATEGIES, DPParameters  # noqa: F401 (public names)
 from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import LedgerJournal, PrivacyLedger
 from kdp.training.sampling import fit_batches
-from kdp.training.validation import validate_batch, validate_stream
+from kdp.training.validation import output_width, validate_batch, validate_stream
 
 
 def _as(cls, value):
@@ -58,6 +58,7 @@ class _GateCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._recorded = 0  # steps of this epoch recorded (run or about to run)
+        self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
         self._recorded += self._block()
@@ -68,9 +69,15 @@ class _GateCallback(keras.callbacks.Callback):
         if done < self._recorded:
             gate.settle(self._recorded - done)
             self._recorded = done
-        if gate.remaining(self.mechanism) < self._block():
+        if logs is not None:  # the progress bar shows ε after every step (RDP: ~0.1 ms)
+            logs["epsilon"] = gate.privacy_spent()[0]
+        if gate.remaining(self.mechanism) < self._block() and not self._last_step(done):
             self._model.stop_training = True
             self._model._budget_stop = True
+
+    def _last_step(self, done):
+        params = self.params or {}
+        return self._epoch + 1 == params.get("epochs") and done == params.get("steps")
 
     def on_epoch_end(self, epoch, logs=None):
         # First in fit's list: every later callback (History, TensorBoard,
@@ -79,12 +86,25 @@ class _GateCallback(keras.callbacks.Callback):
             logs["epsilon"], logs["delta"] = self._model.privacy_spent()
 
     def on_train_end(self, logs=None):
-        if getattr(self._model, "_budget_stop", False):
-            eps, delta = self._model.privacy_spent()
-            warnings.warn(
-                f"{self._model.name}: training stopped by the privacy budget after "
-                f"{self._model.privacy_ledger.training_steps()} noisy steps in the ledger "
-                f"(ε={eps:.4g}, δ={delta:g}); the next step would exceed it.", stacklevel=2)
+        model = self._model
+        if getattr(model, "_budget_stop", False):  # fit warns once it returns
+            eps, delta = model.privacy_spent()
+            limits = ", ".join(f"epsilon_max={e:g}" for e, _ in model.privacy_gate.budgets())
+            model._budget_stop = (
+                f"{model.name}: training stopped by the privacy budget ({limits}) after "
+                f"{model.privacy_ledger.training_steps(model.privacy_gate.run)} steps of this "
+                f"fit ({model.privacy_ledger.training_steps()} in the ledger), at ε={eps:.4g} "
+                f"(δ={delta:g}); the next step would exceed it.")
+
+
+class _ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar, except that an epoch cut short by the privacy budget
+    ends at the number of steps that ran (Keras would show the full epoch)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if getattr(self._model, "_budget_stop", False) and self.progbar is not None:
+            self.target = self.progbar.target = self.seen
+        super().on_epoch_end(epoch, logs)
 
 
 class DPModelMixin:
@@ -134,15 +154,10 @@ class DPModelMixin:
 
     def check_dp(self):
         """Raise a clear error if training this model would not be DP as claimed."""
-        self._require_dp_config()
-        n = self.dataset_metadata.nb_samples_train
-        if self.dp_parameters.delta >= 1.0 / n and not self.dp_parameters.allow_large_delta:
-            raise ValueError(
-                f"delta={self.dp_parameters.delta} >= 1/N = {1.0 / n:.3g}: such a δ allows "
-                "releasing a record in the clear. Lower it or pass allow_large_delta=True."
-            )
+        self.check_delta()
         if self.optimizer is None or self.loss is None:
             raise ValueError(f"{self.name}: compile the model with a kdp loss first")
+        self._check_output_width()
         if self.dp_parameters.clipping_norm is not None:
             return clipping.check_model(self)
         loss_lipschitz(self.loss)
@@ -154,6 +169,26 @@ class DPModelMixin:
         if bad:
             raise BoundError(f"non-finite gradient bounds: {bad}")
         return bounds
+
+    def check_delta(self):
+        """Refuse ``δ ≥ 1/N`` (unless ``allow_large_delta``): such a δ allows
+        releasing a record in the clear."""
+        self._require_dp_config()
+        n = self.dataset_metadata.nb_samples_train
+        if self.dp_parameters.delta >= 1.0 / n and not self.dp_parameters.allow_large_delta:
+            raise ValueError(
+                f"delta={self.dp_parameters.delta} >= 1/N = {1.0 / n:.3g}: such a δ allows "
+                "releasing a record in the clear. Lower it or pass allow_large_delta=True."
+            )
+
+    def _check_output_width(self):
+        """``DatasetMetadata.nb_classes`` must match the model's output width (one
+        output per class, or one output for two classes)."""
+        width, k = output_width(self), self.dataset_metadata.nb_classes
+        if width is not None and width != k and not (width == 1 and k <= 2):
+            raise ValueError(
+                f"{self.name} has {width} outputs but DatasetMetadata(nb_classes={k}): set "
+                f"nb_classes={width}, or end the model with a layer of {k} units.")
 
     def _noise_signature(self):
         """What a traced step bakes in: the privacy configuration and the public
@@ -197,6 +232,19 @@ class DPModelMixin:
     def privacy_spec(self):
         """The per-step mechanism of `fit` (`kdp.training.budget.privacy_spec`)."""
         return budget.privacy_spec(self)
+
+    def make_private(self, target_epsilon, epochs, delta=None):
+        """Privacy in one call: set σ so that ``epochs`` epochs of `fit` reach at most
+        ``target_epsilon`` (at ``delta``, default ``dp_parameters.delta``) for this
+        model's own noise, and enforce that target as its budget; return σ.
+        See `kdp.training.budget.make_private`."""
+        return budget.make_private(self, target_epsilon, epochs, delta)
+
+    def privacy_statement(self, accountant="rdp"):
+        """A text for a model card: mechanism, adjacency, sampling, the releases in
+        the ledger, ε at several δ and what the guarantee does not cover
+        (`kdp.training.statement.privacy_statement`)."""
+        return statement.privacy_statement(self, accountant)
 
     def privacy_spent(self, accountant="rdp"):
         """``(ε, δ)`` spent so far by every release in the ledger."""
@@ -310,6 +358,9 @@ class DPModelMixin:
         self._check_dp_once()
         self._set_cotangent_scale()
         spec = self.privacy_spec()
+        message = budget.plain_calibration_warning(self)
+        if message:
+            warnings.warn(message, stacklevel=2)
         md, params = self.dataset_metadata, self.dp_parameters
         if validation_split:
             raise ValueError("validation_split would change N: pass validation_data instead")
@@ -348,8 +399,15 @@ class DPModelMixin:
         _set_step_plan(self, (mechanism, _block(self)))
         gate.start_run()
         try:
-            return super().fit(x, y, epochs=epochs, callbacks=[_GateCallback(mechanism)] + callbacks,
-                               sample_weight=sample_weight, steps_per_epoch=steps_per_epoch, **kwargs)
+            callbacks = [_GateCallback(mechanism)] + callbacks
+            if not any(isinstance(cb, keras.callbacks.ProgbarLogger) for cb in callbacks):
+                callbacks.append(_ProgbarLogger())  # where Keras would put its own
+            history = super().fit(x, y, epochs=epochs, callbacks=callbacks,
+                                  sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
+                                  **kwargs)
+            if self._budget_stop:
+                warnings.warn(self._budget_stop, stacklevel=2)
+            return history
         finally:
             gate.journal = None
             _set_step_plan(self, None)

@@ -5,6 +5,9 @@ over the evaluated rows, whatever the evaluation batch size; the training step
 alone divides by the expected batch size ``b`` (the private objective).
 """
 
+import re
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -69,3 +72,79 @@ def test_epsilon_is_in_the_epoch_logs_without_a_callback_and_before_any():
     assert history.history["epsilon"] == sorted(history.history["epsilon"])  # one value per epoch
     assert [logs["epsilon"] for logs in first.seen] == history.history["epsilon"]
     assert history.history["delta"] == [1e-3] * 3
+
+
+class _SeesBatches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epsilons = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.epsilons.append((logs or {}).get("epsilon"))
+
+
+def test_progress_bar_shows_epsilon_per_step_and_counts_the_steps_a_budget_stop_ran(capsys):
+    from kdp import accounting
+
+    x, y = _data(N, 0)
+    model = _model()  # global σ = 2, q = 1/4: 4 steps per epoch
+    eps = [accounting.compute_epsilon(2.0, B / N, n, 1e-3) for n in (1, 2, 3)]
+    model.dp_parameters = model.dp_parameters.replace(epsilon_max=(eps[1] + eps[2]) / 2)  # 2 steps
+    seen = _SeesBatches()
+    with pytest.warns(UserWarning, match=r"stopped by the privacy budget.*after 2 steps.*ε=") as record:
+        model.fit(x, y, epochs=5, verbose=1, callbacks=[seen])
+    assert f"{eps[1]:.4g}" in str(record[0].message)
+    assert seen.epsilons == pytest.approx(eps[:2], rel=1e-9)  # ε after every step, in the batch logs
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # without colours
+    assert re.findall(r"(\d+)/(\d+)\b", shown)[-1] == ("2", "2")  # Keras alone ends the bar at 4/4
+    assert f"epsilon: {eps[1]:.4f}" in shown
+
+
+def test_a_fit_that_ends_within_its_budget_does_not_warn():
+    x, y = _data(N, 0)
+    model = _model()
+    model.make_private(target_epsilon=1.0, epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, epochs=2, verbose=0)
+    with pytest.raises(RuntimeError, match="exhausted"):  # the target is the budget
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("nb_classes", [2, 5, 10])
+def test_nb_classes_must_match_the_output_width(nb_classes):
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((D,), 2.0), layers.DP_QuickSpectralDense(K)],
+        dp_parameters=DPParameters("global", 2.0, 1e-3),
+        dataset_metadata=DatasetMetadata((D,), nb_classes, N, B))
+    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(4.0))
+    x, y = _data(N, 0)
+    with pytest.raises(ValueError, match=rf"{K} outputs but DatasetMetadata\(nb_classes={nb_classes}\)"):
+        model.fit(x, y % 2, epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 0
+
+
+def test_one_output_for_two_classes_is_accepted():
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((D,), 2.0), layers.DP_QuickSpectralDense(1)],
+        dp_parameters=DPParameters("global", 2.0, 1e-3), dataset_metadata=DatasetMetadata((D,), 2, N, B))
+    model.compile(optimizer="sgd", loss=losses.DP_TauBCE(4.0))
+    x, y = _data(N, 0)
+    model.fit(x, (y % 2).astype("float32")[:, None], epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() > 0
+
+
+def test_errors_for_non_dp_parts_name_per_example_clipping_as_the_other_way():
+    from kdp.bounds import BoundError
+
+    x, y = _data(N, 0)
+    for stack, loss in (
+            ([layers.DP_BoundedInput((D,), 2.0), keras.layers.Dense(K)], losses.DP_TauCategoricalCrossentropy(4.0)),
+            ([layers.DP_BoundedInput((D,), 2.0), layers.DP_QuickSpectralDense(K)],
+             keras.losses.SparseCategoricalCrossentropy(from_logits=True))):
+        model = DP_Sequential(stack, dp_parameters=DPParameters("global", 2.0, 1e-3),
+                              dataset_metadata=DatasetMetadata((D,), K, N, B))
+        model.compile(optimizer="sgd", loss=loss)
+        with pytest.raises(BoundError, match=r"clipping_norm="):
+            model.fit(x, y, epochs=1, verbose=0)
+        assert model.privacy_ledger.training_steps() == 0

@@ -8,9 +8,15 @@ or during `fit` include their future cost. A plan is an object with
 next ``steps`` training steps (those already made are in the ledger).
 """
 
+import math
+
 from kdp import accounting
 from kdp.training.ledger import mechanism_event, training_mechanism
 from kdp.training.objective import effective_noise_multiplier
+
+#: Relative steps by which `make_private` raises σ when float rounding of
+#: ``σ = σ_eff / r`` would let the last planned step exceed the budget.
+_NUDGES = (0.0, 1e-12, 1e-9, 1e-6)
 
 
 def privacy_spec(model):
@@ -103,3 +109,96 @@ def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None):
         planned=(lambda n: planned_events(model, n)) if model.privacy_gate.plans else None)
     epochs = steps // spec["steps_per_epoch"]
     return epochs if epochs_max is None else min(epochs, int(epochs_max))
+
+
+def make_private(model, target_epsilon, epochs, delta=None):
+    """Privacy in one call: calibrate ``model`` so that ``epochs`` more epochs of
+    `fit` reach at most ``target_epsilon`` at ``delta``, and make that target
+    the model's budget.
+
+    σ is calibrated for the model's own mechanism (`calibrate_model_noise`):
+    per-layer noise as its equivalent ``σ_eff``, per-example clipping, Poisson or
+    shuffled batches, the releases planned alongside training (adaptive
+    clipping: attach it first with ``callback.set_model(model)``) and what the
+    ledger already holds. ``epsilon_max`` is set to ``target_epsilon``, so no
+    later `fit` goes beyond it (RDP accountant, as the model reports ε).
+
+    Args:
+        model: a DP model with `dp_parameters` and `dataset_metadata` (built, or
+            buildable from ``dataset_metadata.input_shape``).
+        target_epsilon: ε > 0 to reach after ``epochs`` epochs.
+        epochs: the number of epochs the user will pass to `fit`.
+        delta: the δ (default: ``dp_parameters.delta``), below ``1/N``.
+
+    Returns:
+        The calibrated σ (``model.dp_parameters.noise_multiplier``).
+
+    Raises:
+        ValueError: a non-positive target or number of epochs, or a target that
+            no σ can reach (the ledger or the planned releases already cost it).
+    """
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
+    if int(epochs) != epochs or epochs < 1:
+        raise ValueError(f"epochs must be a whole number >= 1, got {epochs}")
+    if model.dp_parameters is None or model.dataset_metadata is None:
+        raise ValueError(f"{model.name}: pass dp_parameters= and dataset_metadata= first")
+    if delta is not None:
+        model.dp_parameters = model.dp_parameters.replace(delta=delta)
+    model.check_delta()
+    _ensure_built(model)
+    spec = privacy_spec(model)
+    steps = int(epochs) * spec["steps_per_epoch"]
+    fixed = model.privacy_ledger.events() + planned_events(model, steps)
+    floor = accounting.epsilon_of_events(fixed, spec["delta"]) if fixed else 0.0
+    if floor >= target_epsilon:
+        raise ValueError(
+            f"target_epsilon={target_epsilon:g} is unreachable at δ={spec['delta']:g}: "
+            f"{_describe_fixed(model)} already cost ε={floor:.4g} whatever the training noise. "
+            "Raise the target, or use fewer (or noisier) planned releases, or a fresh ledger "
+            "if this is a new dataset.")
+    sigma = calibrate_model_noise(model, target_epsilon, epochs)
+    for nudge in _NUDGES:
+        model.dp_parameters = model.dp_parameters.replace(
+            noise_multiplier=sigma * (1 + nudge), epsilon_max=target_epsilon)
+        if model.privacy_gate.remaining(fit_mechanism(privacy_spec(model))) >= steps:
+            return model.dp_parameters.noise_multiplier
+    raise RuntimeError(f"{model.name}: calibrated σ={sigma:.6g} does not fit the budget it was "
+                       "calibrated for (please report this)")
+
+
+def _ensure_built(model):
+    if not model.built:
+        model.build((None,) + tuple(model.dataset_metadata.input_shape))
+
+
+def _describe_fixed(model):
+    spent = model.privacy_ledger.training_steps()
+    plans = ", ".join(type(p).__name__ for p in model.privacy_gate.plans.values())
+    parts = ([f"the {spent} steps already in the ledger"] if spent else []) + (
+        [f"the releases planned by {plans}"] if plans else [])
+    return " and ".join(parts) or "the ledger's releases"
+
+
+def plain_calibration_warning(model):
+    """A warning text if σ came from `accounting.calibrate_noise_multiplier` (one
+    Gaussian of multiplier σ per step) but the model adds less noise than that
+    (per-layer noise: one Gaussian of ``σ_eff < σ``), else ``None``."""
+    sigma = model.dp_parameters.noise_multiplier
+    calibration = getattr(sigma, "calibration", None)
+    if calibration is None:
+        return None
+    sigma_eff = effective_noise_multiplier(model)
+    if sigma_eff >= sigma * (1 - 1e-9):
+        return None
+    c = calibration
+    args = (c["sampling_rate"], c["steps"], c["delta"], c["accountant"], c["sampling"],
+            c["steps_per_epoch"])
+    planned = accounting.compute_epsilon(float(sigma), *args)
+    actual = accounting.compute_epsilon(sigma_eff, *args)
+    return (
+        f"{model.name}: noise_multiplier={sigma:.4g} was calibrated for ε={c['target_epsilon']:g} "
+        f"as one Gaussian of multiplier σ per step, but this model's per-layer noise makes each "
+        f"step one Gaussian of σ_eff={sigma_eff:.4g}: those {c['steps']} steps cost "
+        f"ε={actual:.3g}, not {planned:.3g}. Calibrate for the model's own noise with "
+        "model.make_private(target_epsilon=..., epochs=...) (or use noisify_strategy='global').")

@@ -65,7 +65,9 @@ class DPParameters:
         if reproducible and seed is None:
             raise ValueError("reproducible=True needs an explicit seed (tests only): no seed is a default")
         self.noisify_strategy = noisify_strategy
-        self.noise_multiplier = float(noise_multiplier)
+        # A σ from `calibrate_noise_multiplier` keeps what it was calibrated for.
+        self.noise_multiplier = (noise_multiplier if isinstance(
+            noise_multiplier, accounting.CalibratedNoiseMultiplier) else float(noise_multiplier))
         self.delta = float(delta)
         self.sampling = sampling
         self.reproducible = bool(reproducible)
@@ -88,7 +90,8 @@ class DPParameters:
 
     def replace(self, **changes):
         """A copy with ``changes`` applied (validated like the constructor)."""
-        return DPParameters(**{**self.get_config(), **changes})
+        return DPParameters(**{**self.get_config(), "noise_multiplier": self.noise_multiplier,
+                               **changes})
 
     def draw_seed(self, offset=0):
         """The fixed seed (+ offset) if reproducible, else 64 bits of OS entropy."""
@@ -96,7 +99,7 @@ class DPParameters:
 
     def get_config(self):
         return {
-            "noisify_strategy": self.noisify_strategy, "noise_multiplier": self.noise_multiplier,
+            "noisify_strategy": self.noisify_strategy, "noise_multiplier": float(self.noise_multiplier),
             "delta": self.delta, "sampling": self.sampling, "reproducible": self.reproducible,
             "seed": self.seed, "allow_large_delta": self.allow_large_delta,
             "clipping_norm": self.clipping_norm, "clipping": self.clipping,

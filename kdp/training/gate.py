@@ -126,7 +126,10 @@ class PrivacyGate:
             raise BudgetExceededError(
                 f"privacy budget {state}: {self.name} already spent ε={eps:.4g} (δ={self.delta:g}) "
                 f"over {self.ledger.training_steps()} steps, and {count} more release(s) would "
-                f"exceed {limits} ({allowed} allowed); nothing was run")
+                f"exceed {limits} ({allowed} allowed); nothing was run"
+                + (". One release at this noise already costs more than the budget: add noise "
+                   "(a DP model's make_private(target_epsilon, epochs) calibrates it) or raise "
+                   "the budget" if allowed == 0 and not self.ledger.entries else ""))
 
     # -- the gate --------------------------------------------------------------------------
     @contextlib.contextmanager

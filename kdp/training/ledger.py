@@ -116,13 +116,15 @@ class PrivacyLedger:
         self.record(quantile_mechanism(noise_multiplier, sampling_rate), count, run or new_run_id())
 
     # -- reading ---------------------------------------------------------------------
-    def training_steps(self):
-        """The number of noisy gradient steps in the ledger."""
-        return self.releases("training")
+    def training_steps(self, run=None):
+        """The number of noisy gradient steps in the ledger (of ``run`` only, if given)."""
+        return self.releases("training", run)
 
-    def releases(self, kind):
-        """The number of releases of ``kind`` (``"training"``, ``"quantile"``, ``"event"``)."""
-        return sum(e["count"] for e in self.entries if e["kind"] == kind)
+    def releases(self, kind, run=None):
+        """The number of releases of ``kind`` (``"training"``, ``"quantile"``, ``"event"``),
+        of ``run`` only if given."""
+        return sum(e["count"] for e in self.entries
+                   if e["kind"] == kind and run in (None, e["run"]))
 
     def runs(self):
         """The run names, in order of first appearance."""

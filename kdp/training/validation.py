@@ -100,7 +100,8 @@ def _weights(y, rows, sample_weight, class_weight):
     return weights
 
 
-def _output_width(model):
+def output_width(model):
+    """The width of the model's (single) output, or ``None``."""
     try:
         shape = model.output_shape if not isinstance(model.output_shape, list) else None
     except (AttributeError, ValueError):
@@ -113,7 +114,7 @@ def _check_labels(model, y):
     kind = getattr(loss, "labels", None)
     if kind is None:  # not a kdp loss (per-example clipping bounds the gradient anyway)
         return
-    width = _output_width(model)
+    width = output_width(model)
     if width is None or width < 2:
         return
     sparse = y.ndim <= 1 or (y.ndim == 2 and y.shape[-1] == 1)

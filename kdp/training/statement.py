@@ -1,0 +1,116 @@
+"""A DP model's privacy statement: a text for a model card (in the spirit of
+TensorFlow Privacy's ``compute_dp_sgd_privacy_statement``).
+
+It states what the guarantee is about (mechanism, adjacency, sampling), what
+the ledger holds (steps and other releases), ε at the model's δ and at two
+smaller δ, and what the guarantee does **not** cover.
+"""
+
+from collections import Counter
+
+from kdp import accounting
+from kdp.training.objective import effective_noise_multiplier
+
+#: The two other δ of the statement, as fractions of the model's δ.
+OTHER_DELTAS = (0.1, 0.01)
+
+NOT_COVERED = (
+    "hyper-parameter search and model selection on the private data (each trial is "
+    "a training: merge the trials' ledgers into the final model's to count them)",
+    "preprocessing that uses statistics of the private data (kdp's loaders use none)",
+    "the training loss and metrics logged by fit (computed on private batches without "
+    "noise) and any evaluation on private data",
+    "releases made with another model or ledger not merged into this one",
+    "floating-point and timing side channels of the Gaussian sampler (the guarantee is "
+    "for idealised real-valued Gaussian noise)",
+)
+
+
+def privacy_statement(model, accountant="rdp"):
+    """The privacy statement of ``model`` (see the module docstring).
+
+    Args:
+        model: a DP model with `dp_parameters` and `dataset_metadata`.
+        accountant: ``"rdp"`` or ``"pld"`` for the ε values.
+
+    Returns:
+        A multi-line string.
+    """
+    params, md = model.dp_parameters, model.dataset_metadata
+    if params is None or md is None:
+        raise ValueError(f"{model.name}: pass dp_parameters= and dataset_metadata= first")
+    ledger = model.privacy_ledger
+    events = ledger.events()
+    lines = [f"Differential privacy statement for {model.name} (kdp)", "",
+             "Mechanism: " + _mechanism(model), "",
+             "Adjacency: " + _adjacency(ledger, params.sampling), "",
+             "Sampling: " + _sampling(md, params.sampling), "",
+             "Releases in the privacy ledger: " + _releases(ledger), ""]
+    if events:
+        delta = params.delta
+        lines.append(f"Privacy spent ({accountant.upper()} accountant):")
+        for d in (delta,) + tuple(delta * f for f in OTHER_DELTAS):
+            eps = accounting.epsilon_of_events(events, d, accountant)
+            note = " (the model's δ)" if d == delta else ""
+            lines.append(f"  ε = {eps:.4g} at δ = {d:.3g}{note}")
+    else:
+        lines.append("Privacy spent: nothing yet (ε = 0): no private release was made.")
+    lines += ["", "Not covered by this guarantee:"] + [f"  - {item}" for item in NOT_COVERED]
+    return "\n".join(lines)
+
+
+def _mechanism(model):
+    params, b = model.dp_parameters, model.dataset_metadata.batch_size
+    if params.clipping_norm is not None:
+        return (f"DP-SGD with per-example gradient clipping ({params.clipping}, C = "
+                f"{params.clipping_norm}) and Gaussian noise of std σ·C/b on the clipped sum, "
+                f"σ = {params.noise_multiplier:.4g}, b = {b} (Abadi et al. 2016).")
+    text = ("Clipless DP-SGD (Béthune et al. 2024): Lipschitz layers bound every example's "
+            "gradient norm analytically (no clipping); the gradient of the loss summed over "
+            f"the batch and divided by b = {b} gets Gaussian noise of std σ·Δ/b, "
+            f"σ = {params.noise_multiplier:.4g}")
+    if params.noisify_strategy == "per-layer" and model.built:
+        text += (f", one draw per variable (per-layer noise, equivalent to one Gaussian of "
+                 f"multiplier σ_eff = {effective_noise_multiplier(model):.4g})")
+    return text + "."
+
+
+def _adjacency(ledger, sampling):
+    shuffled = sampling == "shuffle" or any(e.get("sampling") == "shuffle"
+                                            for e in ledger.entries)
+    text = ("add or remove one record (one training example); a person with several "
+            "records is protected only as far as the group's ε (group privacy)")
+    if shuffled:
+        text += ("; shuffled batches are accounted under replace-one adjacency "
+                 "(sensitivity doubled), one Gaussian release per pass")
+    return text + "."
+
+
+def _sampling(md, sampling):
+    n, b = md.nb_samples_train, md.batch_size
+    if sampling == "poisson":
+        return (f"Poisson: each step includes every one of the N = {n} records independently "
+                f"with probability q = b/N = {b}/{n} = {b / n:.4g} (amplification by "
+                "subsampling).")
+    return (f"shuffled fixed-size batches of at most b = {b} of the N = {n} records, each "
+            "record at most once per pass (no amplification).")
+
+
+def _releases(ledger):
+    if not ledger.entries:
+        return "none."
+    parts = []
+    steps = Counter()
+    for e in ledger.entries:
+        if e["kind"] == "training":
+            steps[(e["noise_multiplier"], e["sampling_rate"], e["sampling"])] += e["count"]
+    for (sigma, q, sampling), count in steps.items():
+        kind = ("without amplification (a batch kdp did not sample)" if q == 1.0
+                else f"{sampling}, q = {q:.4g}")
+        parts.append(f"{count} noisy gradient steps (σ_eff = {sigma:.4g}, {kind})")
+    if ledger.releases("quantile"):
+        parts.append(f"{ledger.releases('quantile')} private quantile releases "
+                     "(adaptive clipping, Andrew et al. 2021)")
+    if ledger.releases("event"):
+        parts.append(f"{ledger.releases('event')} other releases (dp-accounting events)")
+    return "; ".join(parts) + f"; in {len(ledger.runs())} run(s), composed."
