@@ -29,7 +29,7 @@ from kdp.training.config import NOISIFY_STRATEGIES, DPParameters  # noqa: F401 (
 from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import LedgerJournal, PrivacyLedger
 from kdp.training.sampling import fit_batches
-from kdp.training.validation import output_width, validate_batch, validate_stream
+from kdp.training.validation import output_width, probe_loss, validate_batch, validate_stream
 
 
 def _as(cls, value):
@@ -354,6 +354,12 @@ class DPModelMixin:
         most once per pass: the user's promise); each of their batches passes
         the validator. ``sample_weight`` and ``class_weight`` must lie in [0, 1].
         Other arguments are those of `keras.Model.fit`.
+
+        The logs hold ``epsilon`` (after every step) and ``delta`` (each epoch).
+        Their ``loss`` is the value of the private objective, ``Σ_i w_i ℓ_i / b``
+        per batch (``b`` the expected batch size; the noise term's value is 0):
+        an unbiased estimate of the mean training loss, not the batch mean.
+        Metrics and ``val_*`` are Keras' own (padding rows have weight 0).
         """
         self._check_dp_once()
         self._set_cotangent_scale()
@@ -415,6 +421,7 @@ class DPModelMixin:
     def _check_arrays(self, x, y, sample_weight, class_weight):
         n = self.dataset_metadata.nb_samples_train
         x, y, weights = validate_batch(self, x, y, sample_weight, class_weight)
+        probe_loss(self, x, y)
         if len(y) != n:
             raise ValueError(
                 f"got {len(y)} examples but dataset_metadata.nb_samples_train={n}: "

@@ -148,3 +148,28 @@ def test_errors_for_non_dp_parts_name_per_example_clipping_as_the_other_way():
         with pytest.raises(BoundError, match=r"clipping_norm="):
             model.fit(x, y, epochs=1, verbose=0)
         assert model.privacy_ledger.training_steps() == 0
+
+
+def _clipping_model():
+    model = DP_Sequential([keras.Input((D,)), keras.layers.Dense(K)],
+                          dp_parameters=DPParameters(delta=1e-3, clipping_norm=1.0),
+                          dataset_metadata=DatasetMetadata((D,), K, N, B))
+    return model
+
+
+@pytest.mark.parametrize("labels,loss", [
+    ("one-hot", keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+    ("ids", keras.losses.CategoricalCrossentropy(from_logits=True)),
+    ("ids+2", keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+])
+def test_labels_a_keras_loss_cannot_take_are_refused_before_any_step(labels, loss):
+    x, y = _data(N, 0)
+    y = {"one-hot": keras.utils.to_categorical(y, K), "ids": y, "ids+2": y + 2}[labels]
+    model = _clipping_model()
+    model.compile(optimizer="sgd", loss=loss)
+    with pytest.raises(ValueError) as error:
+        model.fit(x, y, epochs=1, verbose=0)
+    message = str(error.value)
+    assert ("class ids must lie in [0, 4)" in message if labels == "ids+2"
+            else f"labels of shape {y.shape}" in message)  # the user's shapes, not the padded batch
+    assert model.privacy_ledger.training_steps() == 0

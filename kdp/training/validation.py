@@ -17,6 +17,10 @@ batch costs nothing. It checks
   ``"one-hot"`` (hinge, KR, HKR: after clipping to [0, 1], one entry 1 and the
   others 0) or ``"distribution"`` (τ-cross-entropy: entries in [0, 1] after
   clipping, summing to at most 1). Multi-hot labels exceed their ``get_L()``;
+* labels for Keras losses (per-example clipping): class ids in ``[0, K)`` for a
+  sparse categorical loss; and, once per `fit` (`probe_loss`), the loss is
+  computed on two examples outside any step, so labels it cannot take are
+  refused with their real shapes;
 * input norms, for Clipless models whose bound pass starts from
   ``DatasetMetadata.max_norm`` (no `DP_BoundedInput`): every example's L2 norm
   is at most ``max_norm``. Such data is **refused**, not clipped; clip it first
@@ -109,21 +113,24 @@ def output_width(model):
     return None if not shape else shape[-1]
 
 
+def _is_sparse_keras_loss(loss):
+    name = getattr(loss, "name", None) or getattr(loss, "__name__", "") or ""
+    return "sparse_categorical" in str(name)
+
+
 def _check_labels(model, y):
     loss = getattr(model, "loss", None)
     kind = getattr(loss, "labels", None)
-    if kind is None:  # not a kdp loss (per-example clipping bounds the gradient anyway)
-        return
     width = output_width(model)
     if width is None or width < 2:
         return
     sparse = y.ndim <= 1 or (y.ndim == 2 and y.shape[-1] == 1)
+    if kind is None:  # a Keras loss (per-example clipping bounds its gradient anyway)
+        if sparse and _is_sparse_keras_loss(loss):
+            _check_class_ids(y, width)  # out of range: NaN on JAX, a failed step on TF
+        return
     if sparse:
-        if np.issubdtype(y.dtype, np.floating) and not np.all(y == np.round(y)):
-            raise DataValidationError("sparse labels must be integer class ids")
-        if y.size and (y.min() < 0 or y.max() >= width):
-            raise DataValidationError(
-                f"class ids must lie in [0, {width}) for a model with {width} outputs")
+        _check_class_ids(y, width)
         return
     if y.shape[-1] != width:
         raise DataValidationError(
@@ -142,6 +149,38 @@ def _check_labels(model, y):
         raise DataValidationError(
             f"{type(loss).__name__} needs label vectors with entries in [0, 1] summing to at most "
             "1 (one class per example); multi-hot labels exceed its get_L()")
+
+
+def _check_class_ids(y, width):
+    if np.issubdtype(y.dtype, np.floating) and not np.all(y == np.round(y)):
+        raise DataValidationError("sparse labels must be integer class ids")
+    if y.size and (y.min() < 0 or y.max() >= width):
+        raise DataValidationError(
+            f"class ids must lie in [0, {width}) for a model with {width} outputs")
+
+
+def probe_loss(model, x, y, rows=2):
+    """Compute the loss on the first ``rows`` examples, outside any step (nothing
+    is released), so that labels the loss cannot take are refused with their
+    real shapes (an error from inside the step would quote the padded batch)."""
+    x_few = keras.tree.map_structure(lambda a: a[:rows], x)
+    y_few = y[:rows]
+    try:
+        y_pred = model(x_few, training=False)
+        model.loss(y_few, y_pred)
+    except Exception as e:  # noqa: BLE001 (any refusal of the loss is reported)
+        outputs = ("(N" + "".join(f", {d}" for d in keras.ops.shape(y_pred)[1:]) + ")"
+                   if "y_pred" in locals() else "unknown")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataValidationError(
+            f"{_loss_name(model.loss)} cannot take labels of shape {(len(y),) + y.shape[1:]} for "
+            f"outputs of shape {outputs}: {first}. A sparse loss takes class ids of shape "
+            "(N,), a categorical one label vectors of shape (N, classes). Nothing was spent."
+        ) from e
+
+
+def _loss_name(loss):
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
 
 
 def input_bound_needed(model):
