@@ -17,3 +17,8 @@ __all__ = [
     "load_breast_cancer", "load_cifar10", "load_dataset", "load_digits", "load_fashion_mnist",
     "load_mnist",
 ]
+
+# lip-dp's pipeline names: each raises an error that names the loader to use instead.
+from kdp.compat import (  # noqa: E402
+    default_delta_value, load_adbench_data, load_and_prepare_images_data, prepare_tabular_data,
+)
