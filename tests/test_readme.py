@@ -122,7 +122,8 @@ def test_block_runs(block, tmp_path):
            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")}
     run = subprocess.run([sys.executable, __file__, "--block", str(block.line)], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert run.returncode == 0, f"README.md line {block.line}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    tail = f"{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    assert run.returncode == 0, f"README.md line {block.line}:\n{tail}"
 
 
 def test_blocks_found():
