@@ -1,4 +1,5 @@
-"""Writes ``notebooks/08_dpcl.ipynb`` (outputs stripped): ``python notebooks/build_08_dpcl.py``."""
+"""Writes ``notebooks/08_dpcl.ipynb`` (without outputs): ``python notebooks/build_08_dpcl.py``;
+then ``python notebooks/execute_notebooks.py 08`` stores it with the outputs of a full run."""
 
 import os
 
@@ -136,6 +137,8 @@ a proven 4C. The loss values are monitoring values from the private batch, not p
 
 def main():
     nb = new_notebook(cells=CELLS)
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     nbformat.validate(nb)

@@ -1,8 +1,13 @@
+"""Writes ``notebooks/09_audit.ipynb`` (without outputs): ``python notebooks/build_09_audit.py``;
+then ``python notebooks/execute_notebooks.py 09`` stores it with the outputs of a full run."""
+
+import os
+
 import nbformat as nbf
-nb = nbf.v4.new_notebook()
+
 md = nbf.v4.new_markdown_cell
 code = nbf.v4.new_code_cell
-nb.cells = [
+CELLS = [
 md("""# Auditing a DP model: bounds, noise, and an empirical lower bound on ε
 
 kdp's guarantee rests on three promises: every per-example gradient is below its
@@ -82,6 +87,7 @@ for name, sigma, claim in rows:
     results.append((name, claim, r["epsilon_lower_bound"]))
     print(f"{name:40s} σ={sigma:7.3f}  claimed ε={claim:5.3g}  empirical lower bound={r['epsilon_lower_bound']:.3f}")"""),
 code("""import matplotlib.pyplot as plt
+plt.rcParams["figure.dpi"] = 72  # small stored figures
 names = [r[0] for r in results]
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.barh(names, [r[2] for r in results], label="empirical lower bound")
@@ -91,4 +97,19 @@ md("""Cost: one training step per trial (a few seconds for 1000 trials on this m
 A lower bound far below the claim is expected: the accountant is a worst case and
 one canary in a few hundred trials can only certify ε up to about log(trials/6)."""),
 ]
-nbf.write(nb, "notebooks/09_audit.ipynb")
+
+
+def main():
+    nb = nbf.v4.new_notebook(cells=CELLS)
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nbf.validate(nb)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "09_audit.ipynb")
+    nbf.write(nb, path)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,12 @@
-"""Write the tutorial notebooks of this folder (outputs stripped) with nbformat.
+"""Write the tutorial notebooks 01–03 of this folder with nbformat (without outputs).
 
 Edit the cells here, then run ``python notebooks/build_notebooks.py``; never
-edit the ``.ipynb`` JSON by hand. The test suite executes every notebook with
-nbmake in its small configuration (``KDP_NOTEBOOK_SMALL=1``, set by the
-conftest files); without that variable they show the real results.
+edit the ``.ipynb`` JSON by hand. Then store them with their outputs:
+``python notebooks/execute_notebooks.py 01 02 03`` executes them in place in the
+full configuration on the TensorFlow backend (the notebooks are committed with
+their outputs; ``tests/test_notebooks_stored.py`` checks that). The test suite
+executes every notebook with nbmake in its small configuration
+(``KDP_NOTEBOOK_SMALL=1``, set by the conftest files) without writing them back.
 """
 
 import os
@@ -30,6 +33,7 @@ from kdp import accounting, layers as L, losses
 from kdp.pipeline import load_digits
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's probing warnings
+plt.rcParams["figure.dpi"] = 72  # small stored figures
 keras.utils.set_random_seed(0)  # initialisation only: the DP noise draws from the OS
 T0 = time.time()
 print("backend:", keras.backend.backend(), "| small mode:", SMALL)'''
@@ -48,10 +52,14 @@ kdp adds Gaussian noise calibrated to those bounds, with no per-example gradient
 and no clipping. This notebook
 
 1. loads scikit-learn's bundled 8×8 digits (no download),
-2. builds and trains a DP MLP to a target ε, watching ε grow epoch by epoch,
-3. draws the privacy/utility trade-off over a few ε.
+2. builds a DP MLP, makes it private for a target ε in one call
+   (`model.make_private`), trains it, watches ε grow and prints its privacy statement,
+3. draws the privacy/utility trade-off over a few ε,
+4. trains plain Keras layers with **per-example clipping** (DP-SGD), the same way.
 
-Set `KDP_NOTEBOOK_SMALL=1` for a fast, smaller run (what the tests do)."""),
+The stored outputs come from the full configuration on the TensorFlow backend
+(`python notebooks/execute_notebooks.py`). Set `KDP_NOTEBOOK_SMALL=1` for a fast,
+smaller run (what the tests do)."""),
     new_code_cell(SETUP),
     new_markdown_cell("""\
 ## Data
@@ -74,14 +82,17 @@ input bound X₀), `DP_QuickSpectralDense` keeps its kernel orthogonal (1-Lipsch
 `DP_TauCategoricalCrossentropy(τ)` is √2-Lipschitz for every τ.
 
 We fix ε = 3 at δ = 1e-5 and a number of epochs, and let
-`accounting.calibrate_noise_multiplier` find the smallest σ that fits."""),
+`model.make_private(target_epsilon, epochs)` find the smallest noise multiplier σ
+that fits: it calibrates σ for *this* model's mechanism (here the default
+per-layer noise: one Gaussian of multiplier σ_eff per step, see notebook 3) and
+makes ε = 3 the model's budget, so no later `fit` can exceed it."""),
     new_code_cell('''\
 EPSILON, DELTA = 3.0, 1e-5
 EPOCHS = 5 if SMALL else 40
 WIDTH = 64 if SMALL else 256
 
 
-def make_model(sigma, width=WIDTH, lr=3e-3):
+def make_model(width=WIDTH, lr=3e-3):
     model = kdp.DP_Sequential(
         [
             L.DP_BoundedInput((64,), upper_bound=5.0),
@@ -89,7 +100,7 @@ def make_model(sigma, width=WIDTH, lr=3e-3):
             L.DP_GroupSort(2),
             L.DP_QuickSpectralDense(10),
         ],
-        dp_parameters=kdp.DPParameters("global", noise_multiplier=sigma, delta=DELTA),
+        dp_parameters=kdp.DPParameters(delta=DELTA),
         dataset_metadata=metadata,
     )
     model.compile(optimizer=keras.optimizers.Adam(lr),
@@ -97,15 +108,17 @@ def make_model(sigma, width=WIDTH, lr=3e-3):
     return model
 
 
-steps = EPOCHS * metadata.steps_per_epoch
-sigma = accounting.calibrate_noise_multiplier(EPSILON, metadata.sampling_rate, steps, DELTA)
-print(f"{EPOCHS} epochs = {steps} steps -> noise multiplier sigma = {sigma:.3f}")
-model = make_model(sigma)
+model = make_model()
+sigma = model.make_private(target_epsilon=EPSILON, epochs=EPOCHS)
+print(f"{EPOCHS} epochs = {EPOCHS * metadata.steps_per_epoch} steps -> noise multiplier "
+      f"sigma = {sigma:.3f} (sigma_eff = {model.effective_noise_multiplier():.3f}), "
+      f"budget epsilon_max = {model.dp_parameters.epsilon_max}")
 model.summary()'''),
     new_markdown_cell("""\
 The bound pass gives, for every trainable variable, a bound Δ on the norm of
-one example's gradient. With the `"global"` strategy the noise std is
-`σ·√(Σ Δ²)/b` on every coordinate."""),
+one example's gradient. With the default `"per-layer"` strategy variable `v`
+gets noise of std `σ·Δ_v/b` on each coordinate (`"global"` would give every
+coordinate `σ·√(Σ Δ²)/b`)."""),
     new_code_cell('''\
 for path, bound in kdp.compute_gradient_bounds(model).items():
     print(f"{path:45s} per-example gradient bound {bound:.3f}")
@@ -114,17 +127,18 @@ print({p: round(s, 5) for p, s in model.noise_stds().items()})'''),
 ## Training
 
 `fit` takes the arrays and samples Poisson batches itself (the accountant's
-assumption). `DP_Accountant` writes ε into the logs: the progress bar and the
-`History` show it."""),
+assumption). Every DP model writes ε into the progress bar after each step, and
+`epsilon` and `delta` into each epoch's logs: the `History` has them, no callback
+needed."""),
     new_code_cell('''\
 history = model.fit(x_train, y_train, epochs=EPOCHS, validation_data=(x_test, y_test),
-                    callbacks=[kdp.DP_Accountant()], verbose=2).history
+                    verbose=2).history
 eps, delta = model.privacy_spent()
 print(f"spent epsilon = {eps:.3f} at delta = {delta:g}; test accuracy = {history['val_accuracy'][-1]:.3f}")
 assert eps <= EPSILON + 1e-6'''),
     new_code_cell('''\
 epochs = np.arange(1, len(history["epsilon"]) + 1)
-fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
 a.plot(epochs, history["accuracy"], ".-", label="train")
 a.plot(epochs, history["val_accuracy"], ".-", label="test")
 a.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="accuracy")
@@ -134,31 +148,65 @@ b.set(xlabel="epoch", ylabel="epsilon", title=f"privacy spent (delta={DELTA:g})"
 plt.tight_layout()
 plt.show()'''),
     new_markdown_cell("""\
+## The privacy statement
+
+`model.privacy_statement()` is a text for the model card: the mechanism, the
+adjacency, the sampling, what the privacy ledger holds, ε at δ and at two smaller
+δ, and what the guarantee does not cover."""),
+    new_code_cell('''\
+print(model.privacy_statement())'''),
+    new_markdown_cell("""\
 ## Privacy/utility trade-off
 
-For each target ε we re-calibrate σ for the same number of epochs and train a
-fresh model. Smaller ε means more noise and lower accuracy. (Each point is one
+For each target ε we make a fresh model private for the same number of epochs
+and train it. Smaller ε means more noise and lower accuracy. (Each point is one
 run: DP training is noisy, so expect a few points of jitter.)"""),
     new_code_cell('''\
 targets = [1.0, 8.0] if SMALL else [0.5, 1.0, 2.0, 4.0, 8.0]
 results = []
 for target in targets:
-    s = accounting.calibrate_noise_multiplier(target, metadata.sampling_rate, steps, DELTA)
-    m = make_model(s)
+    m = make_model()
+    s = m.make_private(target_epsilon=target, epochs=EPOCHS)
     m.fit(x_train, y_train, epochs=EPOCHS, verbose=0)
     acc = m.evaluate(x_test, y_test, verbose=0)[1]
     results.append((target, s, acc))
-    print(f"epsilon={target:4.1f}  sigma={s:6.3f}  test accuracy={acc:.3f}")'''),
+    print(f"epsilon={target:4.1f}  sigma={s:6.3f}  spent {m.privacy_spent()[0]:5.3f}  test accuracy={acc:.3f}")'''),
     new_code_cell('''\
 t, s, acc = zip(*results)
-plt.figure(figsize=(5, 3.5))
+plt.figure(figsize=(5, 3))
 plt.semilogx(t, acc, "o-")
 plt.xlabel("target epsilon (delta = 1e-5)")
 plt.ylabel("test accuracy")
 plt.title(f"digits, DP MLP, {EPOCHS} epochs")
 plt.ylim(0, 1)
 plt.grid(alpha=0.3)
-plt.show()
+plt.show()'''),
+    new_markdown_cell("""\
+## The other path: per-example clipping with plain Keras layers
+
+Without Lipschitz layers, `DPParameters(clipping_norm=C)` turns on classic
+DP-SGD (Abadi et al. 2016): every example's gradient is clipped to norm C and the
+sum gets Gaussian noise of std σ·C. Any Keras layers and loss work; the call that
+makes the model private is the same. Here: a ReLU MLP, Adam(1e-2), the same
+b = 256, 20 epochs, ε = 3."""),
+    new_code_cell('''\
+CLIP_EPOCHS = 5 if SMALL else 20
+clipped = kdp.DP_Sequential(
+    [keras.Input((64,)), keras.layers.Dense(WIDTH, activation="relu"), keras.layers.Dense(10)],
+    dp_parameters=kdp.DPParameters(delta=DELTA, clipping_norm=1.0),
+    dataset_metadata=metadata,
+)
+clipped.compile(optimizer=keras.optimizers.Adam(1e-2),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"])
+sigma = clipped.make_private(target_epsilon=EPSILON, epochs=CLIP_EPOCHS)
+clip_history = clipped.fit(x_train, y_train, epochs=CLIP_EPOCHS, verbose=0).history
+eps, _ = clipped.privacy_spent()
+acc = clipped.evaluate(x_test, y_test, verbose=0)[1]
+print(f"per-example clipping: sigma = {sigma:.3f}, epsilon per epoch: "
+      + " ".join(f"{e:.2f}" for e in clip_history["epsilon"]))
+print(f"spent epsilon = {eps:.3f}; test accuracy = {acc:.3f}")
+assert eps <= EPSILON + 1e-6
 ''' + FOOTER),
 ]
 
@@ -193,14 +241,13 @@ print(x_train.shape, metadata)'''),
 
 We train at ε = 8: on 1 437 tiny images a convnet is hungrier for privacy budget
 than the MLP of notebook 1 (more parameters, so more noise dimensions, and
-pooling discards information)."""),
+pooling discards information). As in notebook 1, `model.make_private` calibrates
+σ for the target ε and the number of epochs, and makes ε = 8 the model's budget."""),
     new_code_cell('''\
 EPSILON, DELTA = 8.0, 1e-5
 EPOCHS = 3 if SMALL else 40
 WIDTH = 16 if SMALL else 128
 
-steps = EPOCHS * metadata.steps_per_epoch
-sigma = accounting.calibrate_noise_multiplier(EPSILON, metadata.sampling_rate, steps, DELTA)
 model = kdp.DP_Sequential(
     [
         L.DP_BoundedInput((8, 8, 1), upper_bound=5.0),
@@ -211,19 +258,21 @@ model = kdp.DP_Sequential(
         L.DP_Flatten(),
         L.DP_QuickSpectralDense(10),
     ],
-    dp_parameters=kdp.DPParameters("global", noise_multiplier=sigma, delta=DELTA),
+    dp_parameters=kdp.DPParameters("global", delta=DELTA),
     dataset_metadata=metadata,
 )
 model.compile(optimizer=keras.optimizers.Adam(3e-3),
               loss=losses.DP_TauCategoricalCrossentropy(16.0), metrics=["accuracy"])
+sigma = model.make_private(target_epsilon=EPSILON, epochs=EPOCHS)
 print(f"sigma = {sigma:.3f} for {EPOCHS} epochs at epsilon = {EPSILON}")
 print("Lipschitz constant of the network:", kdp.lipschitz_constant(model))
 for path, bound in kdp.compute_gradient_bounds(model).items():
     print(f"  {path:60s} {bound:.3f}")'''),
     new_code_cell('''\
 history = model.fit(x_train, y_train, epochs=EPOCHS, validation_data=(x_test, y_test),
-                    callbacks=[kdp.DP_Accountant()], verbose=2).history
+                    verbose=2).history
 eps, _ = model.privacy_spent()
+assert eps <= EPSILON + 1e-6
 print(f"epsilon = {eps:.3f}, test accuracy = {history['val_accuracy'][-1]:.3f}")'''),
     new_markdown_cell("""\
 ## Certified accuracy against the radius
@@ -332,11 +381,40 @@ noise goes. Per-layer noise is proportional to each variable's own bound, global
 noise is the same everywhere, so per-layer helps when the bounds differ a lot
 between layers (e.g. a bias with a small bound next to a large kernel)."""),
     new_markdown_cell("""\
+## Calibrating σ for the model's own noise: `make_private`
+
+`accounting.calibrate_noise_multiplier(ε, q, steps, δ)` returns the σ of **one
+Gaussian of multiplier σ per step**: right for `"global"` noise (and for
+per-example clipping), not for per-layer noise, whose steps are one Gaussian of
+σ_eff < σ. A per-layer model given such a σ warns when `fit` starts, with the ε
+those steps really cost. `model.make_private(target_epsilon, epochs)` calibrates
+for the model's own mechanism (strategy, clipping, sampling, planned releases,
+what the ledger already holds) and makes the target the model's budget."""),
+    new_code_cell('''\
+import warnings
+
+TARGET = 3.0
+plain_sigma = accounting.calibrate_noise_multiplier(TARGET, q, EPOCHS * spe, DELTA)
+model = make_model("per-layer", plain_sigma)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.fit(x_train, y_train, epochs=1, verbose=0)
+print("plain sigma on a per-layer model:",
+      *[w.message for w in caught if "calibrated" in str(w.message)], sep="\\n")
+
+for strategy in ("global", "per-layer"):
+    m = make_model(strategy, 1.0)
+    s = m.make_private(target_epsilon=TARGET, epochs=EPOCHS)
+    eps, _ = accounting.get_eps_delta(m, EPOCHS)
+    print(f"{strategy:9s} make_private: sigma={s:6.3f}  sigma_eff={m.effective_noise_multiplier():.3f}  "
+          f"epsilon after {EPOCHS} epochs={eps:.3f}  epsilon_max={m.dp_parameters.epsilon_max}")
+    assert eps <= TARGET + 1e-6'''),
+    new_markdown_cell("""\
 ## RDP vs PLD
 
 Both accountants are upper bounds on the true ε; the PLD (privacy loss
-distribution) accountant is numerically tighter, usually by 10–20% for DP-SGD,
-and slower."""),
+distribution) accountant is numerically tighter (here by about 10 %) and
+slower."""),
     new_code_cell('''\
 epochs_grid = [1, 20] if SMALL else [1, 5, 10, 20, 40, 80]
 rdp = [accounting.compute_epsilon(SIGMA, q, e * spe, DELTA, accountant="rdp") for e in epochs_grid]
@@ -369,9 +447,10 @@ for e in (1, 10, 40):
 ## Choosing σ for a target ε and a number of epochs
 
 `calibrate_noise_multiplier(ε, q, steps, δ)` returns the smallest σ whose `steps`
-steps cost at most ε. More epochs need more noise per step; the best number of
-epochs is a trade-off (see notebook 1). Conversely `get_max_epochs(ε, model)`
-tells how many epochs a model's σ allows."""),
+steps cost at most ε (for one Gaussian per step; `make_private` does the same for
+a model). More epochs need more noise per step; the best number of epochs is a
+trade-off (see notebook 1). Conversely `get_max_epochs(ε, model)` tells how many
+epochs a model's σ allows."""),
     new_code_cell('''\
 targets = [1.0, 3.0, 8.0]
 epochs_grid = [5, 20, 60] if SMALL else [2, 5, 10, 20, 40, 60, 100]
@@ -387,14 +466,16 @@ plt.legend()
 plt.grid(alpha=0.3)
 plt.show()'''),
     new_code_cell('''\
-sigma = accounting.calibrate_noise_multiplier(3.0, q, 40 * spe, DELTA)
-model = make_model("global", sigma)
+model = make_model("per-layer", 1.0)
+sigma = model.make_private(target_epsilon=3.0, epochs=40)
 print(f"sigma = {sigma:.3f}: get_max_epochs(3.0) = {accounting.get_max_epochs(3.0, model)}")
 print("epsilon after 40 epochs:", accounting.get_eps_delta(model, 40))
 assert accounting.get_max_epochs(3.0, model) == 40'''),
     new_markdown_cell("""\
-The budget is enforced during training too: `DP_Accountant(epsilon_max=...)`
-stops `fit` before the step that would exceed it."""),
+The budget is enforced during training too. `make_private` makes its target the
+model's `epsilon_max`; `DP_Accountant(epsilon_max=...)` adds a budget for one
+`fit` (and `accountant="pld"` or `log_fn="logging"` if you want them). `fit`
+stops, with a warning, before the step that would exceed a budget."""),
     new_code_cell('''\
 model = make_model("global", 2.5)  # too little noise for 50 epochs
 history = model.fit(x_train, y_train, epochs=50, verbose=0,
@@ -409,6 +490,8 @@ assert eps <= 2.0
 
 def write(name, cells):
     nb = new_notebook(cells=cells)
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     nbformat.validate(nb)
