@@ -169,12 +169,18 @@ class AdaptiveQuantileClipping(keras.callbacks.Callback):
         seed: seed of the sampling and the noise, **for tests only** (default:
             the OS entropy, or the model's seed if its ``DPParameters`` are
             ``reproducible``).
+        ds_train: lip-dp's dataset, refused: pass the arrays ``x, y``.
     """
 
-    def __init__(self, x, y, quantile=0.9, patience=1, noise_multiplier=None,
+    def __init__(self, x=None, y=None, quantile=0.9, patience=1, noise_multiplier=None,
                  learning_rate=0.2, batch_size=None, every="epoch", initial_clip_value=None,
-                 min_clip_value=None, max_clip_value=None, public=False, seed=None):
+                 min_clip_value=None, max_clip_value=None, public=False, seed=None, *,
+                 ds_train=None):
         super().__init__()
+        if x is None or y is None or ds_train is not None:
+            raise TypeError(
+                "AdaptiveQuantileClipping(x, y, ...) samples the training set itself: pass the "
+                "arrays x, y that fit trains on, not lip-dp's ds_train (a batched dataset)")
         if not 0 < quantile < 1:
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
         if int(patience) != patience or patience < 1:

@@ -7,6 +7,7 @@ import keras
 from kdp import accounting
 from kdp.training import budget
 from kdp.adaptive_clipping import AdaptiveQuantileClipping
+from kdp.compat import LaplaceAdaptiveLossGradientClipping  # noqa: F401 (lip-dp's name, refused)
 
 logger = logging.getLogger("kdp")
 
@@ -22,7 +23,8 @@ class DP_Accountant(keras.callbacks.Callback):
         accountant: ``"rdp"`` or ``"pld"`` (for ε in the logs and the budget).
         per_step: also write ε into the batch logs (the progress bar shows it).
         log_fn: ``"logging"`` (or lip-dp's ``"all"``) to also log ε at each epoch
-            end with `logging`.
+            end with `logging`. lip-dp's ``"wandb"`` or a function is refused:
+            ``epsilon`` and ``delta`` are in the epoch logs, for any logging callback.
     """
 
     def __init__(self, epsilon_max=None, accountant="rdp", per_step=False, log_fn=None):
@@ -30,7 +32,10 @@ class DP_Accountant(keras.callbacks.Callback):
         if epsilon_max is not None and not epsilon_max > 0:
             raise ValueError(f"epsilon_max must be > 0, got {epsilon_max}")
         if log_fn not in (None, "logging", "all"):
-            raise ValueError(f"log_fn must be None or 'logging', got {log_fn!r}")
+            raise ValueError(
+                f"log_fn must be None, 'logging' or 'all', got {log_fn!r}: kdp writes epsilon "
+                "and delta into the epoch logs, so pass the logging callback of your choice "
+                "(e.g. wandb's, or keras.callbacks.CSVLogger) to fit next to DP_Accountant")
         if accountant not in accounting.ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
         self.epsilon_max = epsilon_max

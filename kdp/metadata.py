@@ -20,10 +20,18 @@ class DatasetMetadata:
         class_names: optional names of the classes.
         max_norm: input norm bound, if the model does not start with
             `DP_BoundedInput`.
+        nb_steps_per_epochs: lip-dp's, refused: the steps follow from ``N`` and
+            ``b`` (`steps_per_epoch`).
     """
 
     def __init__(self, input_shape, nb_classes, nb_samples_train, batch_size,
-                 nb_samples_test=None, class_names=None, max_norm=None):
+                 nb_samples_test=None, class_names=None, max_norm=None, *,
+                 nb_steps_per_epochs=None):
+        if nb_steps_per_epochs is not None:
+            raise TypeError(
+                "DatasetMetadata takes no nb_steps_per_epochs (lip-dp's): drop it, the steps "
+                "per epoch are DatasetMetadata.steps_per_epoch = ceil(nb_samples_train / "
+                "batch_size), batch_size being the expected Poisson batch size")
         self.input_shape = tuple(int(d) for d in input_shape)
         self.nb_classes = int(nb_classes)
         self.nb_samples_train = int(nb_samples_train)

@@ -524,8 +524,14 @@ class DP_Model(DPModelMixin, keras.Model):
     # ``*args`` makes this a "functional-like constructor" in Keras' sense: its
     # `get_config` is then the full functional graph (layers, inputs, outputs)
     # and `from_config` rebuilds the graph and passes the DP arguments back.
-    def __init__(self, inputs, outputs, *args, dp_parameters=None, dataset_metadata=None,
+    def __init__(self, inputs, outputs=None, *args, dp_parameters=None, dataset_metadata=None,
                  privacy_ledger=None, **kwargs):
+        if outputs is None or (isinstance(inputs, (list, tuple))
+                               and any(isinstance(x, keras.layers.Layer) for x in inputs)):
+            raise TypeError(
+                "DP_Model(inputs, outputs, ...) takes a functional graph; lip-dp's "
+                "DP_Model(dp_layers, ...) is kdp.DP_Sequential(dp_layers, dp_parameters=..., "
+                "dataset_metadata=...)")
         if args:
             raise TypeError("DP_Model(inputs, outputs, dp_parameters=..., dataset_metadata=...): "
                             "pass the other arguments by keyword")
@@ -544,10 +550,15 @@ class DP_Sequential(DPModelMixin, keras.Sequential):
         layers: the DP layers, usually starting with `DP_BoundedInput(input_shape, upper_bound)`.
         dp_parameters: `DPParameters`.
         dataset_metadata: `DatasetMetadata`.
+        debug: lip-dp's; only ``False`` (``kdp.compute_gradient_bounds(model)``
+            gives the bounds).
     """
 
     def __init__(self, layers=None, dp_parameters=None, dataset_metadata=None,
-                 privacy_ledger=None, **kwargs):
+                 privacy_ledger=None, debug=False, **kwargs):
+        if debug:
+            raise ValueError("DP_Sequential has no debug mode (lip-dp's debug=True): inspect the "
+                             "per-example gradient bounds with kdp.compute_gradient_bounds(model)")
         super().__init__(layers=layers, **kwargs)
         self._init_dp(dp_parameters, dataset_metadata, privacy_ledger)
 

@@ -2,10 +2,7 @@
 here) or refused with an error that names the kdp replacement (matched here).
 
 Calls are written as lip-dp's README, notebooks and tests write them
-(https://github.com/deel-ai/lipdp). Tests marked `pending(...)` state a refusal or
-an acceptance that needs a change in a module this file's author does not own;
-they are strict xfails, so each one fails (XPASS) once its change lands and the
-mark must go.
+(https://github.com/deel-ai/lipdp).
 """
 
 import importlib
@@ -24,11 +21,7 @@ from kdp.pipeline import DatasetMetadata, bound_clip_value, bound_normalize
 
 N, D, B = 120, 16, 30
 REFUSED = [name for name in kdp.compat.__all__ if name != "LipDPNameError"]
-REFUSAL = (TypeError, ValueError)  # pending refusals: either type, the message is what counts
-
-
-def pending(where):
-    return pytest.mark.xfail(strict=True, reason=f"needs a change in {where}")
+REFUSAL = (TypeError, ValueError)  # signature refusals: either type, the message is what counts
 
 
 def metadata(shape=(D,)):
@@ -85,6 +78,18 @@ def test_refused_name_points_to_an_existing_replacement(name):
     for dotted in pointers:
         _resolve(dotted)
     assert name in refused.__doc__
+
+
+def test_refused_names_where_lipdp_had_them():
+    """deel.lipdp.layers and deel.lipdp.dynamic names, refused in kdp.layers and kdp.callbacks
+    (outside their __all__)."""
+    lipdp_layers = [name for name in REFUSED if name.startswith("DP_")]
+    assert len(lipdp_layers) == 10
+    for name in lipdp_layers:
+        assert getattr(layers, name) is getattr(kdp.compat, name) and name not in layers.__all__
+    name = "LaplaceAdaptiveLossGradientClipping"
+    assert getattr(kdp.callbacks, name) is getattr(kdp.compat, name)
+    assert name not in kdp.callbacks.__all__
 
 
 def test_permute_pointer_works():
@@ -211,54 +216,45 @@ def test_tf_data_refused_with_pointer(rng):
         mlp().fit(ds_train, epochs=1, verbose=0)
 
 
-# --- pending: a change in a module owned elsewhere -----------------------------------
+# --- lip-dp signatures kdp's own names accept, or refuse naming the kdp argument -------
 
 
-@pending("kdp/layers/clip.py (mode='fixed' | 'dynamic' accepted: the threshold is always a variable)")
 def test_clip_gradient_mode_accepted():
     assert layers.DP_ClipGradient(math.sqrt(2), mode="dynamic").clip_value == pytest.approx(math.sqrt(2))
     assert layers.DP_ClipGradient(math.sqrt(2), "fixed").clip_value == pytest.approx(math.sqrt(2))
 
 
-@pending("kdp/layers/clip.py (clip_value=None refused: start at the loss's get_L())")
 def test_clip_gradient_without_value_refused_with_pointer():
     with pytest.raises(REFUSAL, match="get_L"):
         layers.DP_ClipGradient(None, mode="dynamic")
 
 
-@pending("kdp/layers/centering.py (pixelwise=, channelwise= refused naming axes=)")
 def test_centering_flags_refused_with_pointer():
     with pytest.raises(REFUSAL, match="axes="):
         layers.DP_LayerCentering(pixelwise=False, channelwise=True)
 
 
-@pending("kdp/layers/activations.py (deel-lip's n= refused naming group_size=)")
 def test_groupsort_n_refused_with_pointer():
     with pytest.raises(REFUSAL, match="group_size"):
         layers.DP_GroupSort(n=2)
 
 
-@pending("kdp/layers/input.py (enforce_clipping=True accepted, False refused naming max_norm)")
 def test_bounded_input_enforce_clipping():
     layers.DP_BoundedInput(input_shape=(D,), upper_bound=1.0, enforce_clipping=True)
     with pytest.raises(REFUSAL, match="max_norm"):
         layers.DP_BoundedInput(input_shape=(D,), upper_bound=1.0, enforce_clipping=False)
 
 
-@pending("kdp/losses/supervised.py (DP_KCosineSimilarity(axis=-1) accepted)")
 def test_k_cosine_axis_accepted():
     assert losses.DP_KCosineSimilarity(K=1.0, axis=-1).get_L() == 1.0
 
 
-@pending("kdp/metadata.py (nb_steps_per_epochs refused naming DatasetMetadata.steps_per_epoch)")
 def test_metadata_steps_refused_with_pointer():
     with pytest.raises(REFUSAL, match=r"DatasetMetadata\.steps_per_epoch"):
         DatasetMetadata(input_shape=(D,), nb_classes=4, nb_samples_train=N, nb_samples_test=10,
                         class_names=None, nb_steps_per_epochs=N // B, batch_size=B, max_norm=1.0)
 
 
-@pending("kdp/model.py (DP_Sequential(debug=False) accepted, debug=True refused naming "
-         "compute_gradient_bounds)")
 def test_sequential_debug():
     stack = [layers.DP_BoundedInput(input_shape=(D,), upper_bound=1.0), layers.DP_QuickSpectralDense(4)]
     kdp.DP_Sequential(layers=stack, dp_parameters=kdp.DPParameters("global", 2.0, 1e-5),
@@ -268,7 +264,6 @@ def test_sequential_debug():
                           dataset_metadata=metadata(), debug=True)
 
 
-@pending("kdp/model.py (DP_Model(list of layers) refused naming DP_Sequential)")
 def test_model_of_layer_list_refused_with_pointer():
     with pytest.raises(REFUSAL, match="DP_Sequential"):
         kdp.DP_Model([layers.DP_BoundedInput(input_shape=(D,), upper_bound=1.0),
@@ -276,8 +271,6 @@ def test_model_of_layer_list_refused_with_pointer():
                      dp_parameters=kdp.DPParameters("global", 2.0, 1e-5), dataset_metadata=metadata())
 
 
-@pending("kdp/training/budget.py (lip-dp's positional epochs_max refused naming epochs_max=; "
-         "safe=True accepted, safe=False and atol refused)")
 def test_get_max_epochs_lipdp_signature():
     model = mlp()
     with pytest.raises(REFUSAL, match="epochs_max="):
@@ -290,14 +283,12 @@ def test_get_max_epochs_lipdp_signature():
         kdp.accounting.get_max_epochs(3.0, model, atol=1e-2)
 
 
-@pending("kdp/callbacks.py (log_fn='wandb' or a function refused, naming the epoch logs)")
 def test_accountant_log_fn_refused_with_pointer():
     for log_fn in ("wandb", print):
         with pytest.raises(REFUSAL, match="logs"):
             kdp.DP_Accountant(log_fn=log_fn)
 
 
-@pending("kdp/adaptive_clipping.py (ds_train refused naming the arrays x, y)")
 def test_adaptive_clipping_dataset_refused_with_pointer():
     with pytest.raises(REFUSAL, match="arrays"):
         AdaptiveQuantileClipping(ds_train=None, patience=1, noise_multiplier=2.2, quantile=0.9,

@@ -21,3 +21,9 @@ __all__ = [
     "DP_ScaledL2NormPooling2D", "DP_SpectralConv2D", "DP_SpectralDense", "BallProjection",
     "OrthogonalProjection", "make_residuals",
 ]
+
+# lip-dp's layer names: each raises an error that names the kdp layer to use instead.
+from kdp.compat import (  # noqa: E402
+    DP_GNP_Factory, DP_InputLayer, DP_Lambda, DP_MaxPool2D, DP_MergeResidual, DP_Permute,
+    DP_QuickFrobeniusDense, DP_ScaledL2NormPooling1D, DP_SplitResidual, DP_WrappedResidual,
+)

@@ -11,10 +11,14 @@ class DP_GroupSort(DPNormNonIncreasingLayer, keras.layers.Layer):
     """Sorts the last axis within consecutive groups of ``group_size`` channels.
 
     A permutation of each example's coordinates: norm preserving and gradient
-    norm preserving (Anil et al. 2019). ``group_size=2`` is "MaxMin".
+    norm preserving (Anil et al. 2019). ``group_size=2`` is "MaxMin" (deel-lip's
+    ``n=`` keyword is refused).
     """
 
     def __init__(self, group_size=2, **kwargs):
+        if "n" in kwargs:
+            raise TypeError(f"DP_GroupSort: deel-lip's n={kwargs['n']!r} is kdp's "
+                            f"group_size={kwargs['n']!r}")
         super().__init__(**kwargs)
         self.group_size = int(group_size)
 

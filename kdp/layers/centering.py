@@ -19,10 +19,17 @@ class DP_LayerCentering(DPNormNonIncreasingLayer, keras.layers.Layer):
 
     Args:
         axes: ``"channels"`` (last axis, default), ``"spatial"`` (axes 1..n−2,
-            per channel) or ``"all"`` (every non-batch axis).
+            per channel) or ``"all"`` (every non-batch axis). lip-dp's
+            ``pixelwise=``/``channelwise=`` flags are refused.
     """
 
     def __init__(self, axes="channels", **kwargs):
+        flags = [k for k in ("pixelwise", "channelwise") if k in kwargs]
+        if flags:
+            raise TypeError(
+                f"DP_LayerCentering: lip-dp's {'=, '.join(flags)}= are not kdp's; use axes="
+                "'channels' (lip-dp's channelwise=True), 'spatial' (pixelwise=True, "
+                "channelwise=False) or 'all' (both False)")
         super().__init__(**kwargs)
         if axes not in _AXES:
             raise ValueError(f"axes must be one of {_AXES}, got {axes!r}")

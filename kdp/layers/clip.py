@@ -28,11 +28,24 @@ class DP_ClipGradient(DPLayer, keras.layers.Layer):
     adaptive callback records its releases in the model's ledger).
 
     Args:
-        clip_value: the initial per-example threshold ``C > 0``.
+        clip_value: the initial per-example threshold ``C > 0``. lip-dp's
+            ``None`` (a dynamic threshold its callback reset to the loss's
+            Lipschitz constant) is refused: pass ``loss.get_L()``.
+        mode: lip-dp's ``"fixed"`` or ``"dynamic"``, accepted for both: the
+            threshold is always a variable, which only
+            `kdp.callbacks.AdaptiveQuantileClipping` moves (lip-dp's
+            ``"dynamic"``); without that callback it stays fixed.
     """
 
-    def __init__(self, clip_value, **kwargs):
+    def __init__(self, clip_value, mode="fixed", **kwargs):
         super().__init__(**kwargs)
+        if mode not in ("fixed", "dynamic"):
+            raise ValueError(f"mode must be 'fixed' or 'dynamic', got {mode!r}")
+        if clip_value is None:
+            raise ValueError(
+                "clip_value=None (lip-dp's dynamic start) is not supported: start at the "
+                "loss's Lipschitz constant, DP_ClipGradient(loss.get_L(), mode='dynamic'), as "
+                "lip-dp's callback did; kdp.callbacks.AdaptiveQuantileClipping moves it from there")
         clip_value = float(clip_value)
         if not clip_value > 0:
             raise ValueError(f"clip_value must be > 0, got {clip_value}")

@@ -18,9 +18,15 @@ class DP_BoundedInput(DPLayer, keras.layers.Layer):
     Args:
         input_shape: shape of one example (lets it start a `DP_Sequential`).
         upper_bound: the clipping radius ``C > 0``.
+        enforce_clipping: lip-dp's; only ``True`` (inputs are always clipped).
     """
 
-    def __init__(self, input_shape=None, upper_bound=1.0, **kwargs):
+    def __init__(self, input_shape=None, upper_bound=1.0, enforce_clipping=True, **kwargs):
+        if not enforce_clipping:
+            raise ValueError(
+                "DP_BoundedInput always clips (enforce_clipping=True): for inputs bounded "
+                "beforehand, start with keras.Input(shape) and pass "
+                "DatasetMetadata(max_norm=...); fit refuses inputs above max_norm")
         super().__init__(**kwargs)
         self.example_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         # Lets a `keras.Sequential` start with this layer (without Keras' warning).

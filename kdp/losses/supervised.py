@@ -193,12 +193,15 @@ class DP_KCosineSimilarity(DPLoss):
 
     Args:
         K: the norm floor ``K > 0``.
+        axis: lip-dp's; only ``-1`` (the classes are the last axis).
     """
 
-    def __init__(self, K=1.0, name="k_cosine_similarity", **kwargs):
+    def __init__(self, K=1.0, axis=-1, name="k_cosine_similarity", **kwargs):
         super().__init__(name=name, **kwargs)
         if not K > 0:
             raise ValueError(f"K must be > 0, got {K}")
+        if axis != -1:
+            raise ValueError(f"axis must be -1 (the classes are the last axis), got {axis!r}")
         self.K = float(K)
 
     def call(self, y_true, y_pred):

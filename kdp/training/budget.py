@@ -93,14 +93,29 @@ def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
     return model.dp_parameters.noise_multiplier
 
 
-def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None):
+def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None, *, safe=True,
+                   atol=None):
     """Largest number of further epochs ``e`` with ε(e) ≤ epsilon_max < ε(e + 1)
-    (at most ``epochs_max`` if given, lip-dp's argument).
+    (at most ``epochs_max`` if given, lip-dp's argument: pass it by keyword).
 
     ε(e) includes the releases planned alongside training by plans registered on
     the model (`register_release_plan`; e.g. `AdaptiveQuantileClipping`, which
     registers itself in ``set_model``: call ``callback.set_model(model)`` first
-    if the callback is not attached yet)."""
+    if the callback is not attached yet).
+
+    lip-dp's ``safe=True`` is what kdp does; ``safe=False`` and ``atol`` are refused."""
+    if not isinstance(accountant, str):
+        raise TypeError(
+            f"get_max_epochs' third positional argument is the accountant, got {accountant!r}: "
+            f"pass lip-dp's epochs_max by keyword, get_max_epochs(epsilon_max, model, "
+            f"epochs_max={accountant!r})")
+    if not safe:
+        raise ValueError("safe=False (lip-dp's smallest e with ε(e) >= epsilon_max, which can "
+                         "exceed the budget) is not provided: kdp always returns lip-dp's "
+                         "safe=True epochs")
+    if atol is not None:
+        raise TypeError("get_max_epochs takes no atol: kdp's search is exact (the largest e "
+                        "with ε(e) <= epsilon_max, by bisection on whole epochs); drop atol")
     spec = privacy_spec(model)
     mechanism = fit_mechanism(spec)
     steps = accounting.max_count(
