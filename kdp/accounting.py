@@ -27,6 +27,8 @@ import dp_accounting
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 
+from kdp._quiet import quiet_dp_accounting
+
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "shuffle")
 
@@ -182,6 +184,7 @@ def _rdp_epsilon(events, delta):
     return float(_rdp_lib.compute_epsilon(orders, total, delta)[0])
 
 
+@quiet_dp_accounting()
 def epsilon_of_events(events, delta, accountant="rdp"):
     """ε at ``delta`` of the composition of ``events``."""
     _check_delta(delta)
@@ -204,6 +207,7 @@ def compute_epsilon(noise_multiplier, sampling_rate, steps, delta, accountant="r
     return epsilon_of_events([event], delta, accountant)
 
 
+@quiet_dp_accounting()
 def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, accountant="rdp",
                                sampling="poisson", steps_per_epoch=None, extra_events=()):
     """Smallest σ (to 1e-4) whose ``steps`` steps cost at most ``target_epsilon`` at ``delta``.

@@ -8,9 +8,10 @@ saves a plot of accuracy and ε against epochs::
     python -m kdp demo --epsilon 1 --backend jax --out /tmp/kdp
 
 The Keras backend is fixed when Keras is first imported. ``--backend`` sets
-``KERAS_BACKEND``; if Keras was already imported with another backend (importing
-``kdp`` imports Keras), the command re-executes itself once with the variable
-set, so the flag always takes effect.
+``KERAS_BACKEND``; if Keras was already imported with another backend (`main`
+called from a program that uses Keras), the command re-executes itself once with
+the variable set, so the flag always takes effect. Keras and the heavy parts of
+kdp are imported by the command that needs them, so ``--help`` answers at once.
 """
 
 import argparse
@@ -23,6 +24,8 @@ import time
 BACKENDS = ("tensorflow", "jax")
 DATASETS = ("digits", "breast_cancer")
 _REEXEC_FLAG = "KDP_CLI_REEXEC"
+#: the files the demo writes in ``--out``, for each dataset
+PLOT_FILE, REPORT_FILE = "demo_{}.png", "report_{}.json"
 
 #: Hyper-parameters of the demo model for each bundled dataset (public choices,
 #: tuned once; hyper-parameter search on private data would itself leak).
@@ -96,7 +99,8 @@ def build_parser():
     demo.add_argument("--radius", type=_positive_float, default=None,
                       help="L2 radius of the certified accuracy (default: 0.1 for digits)")
     demo.add_argument("--out", default="kdp_out",
-                      help="output folder for the plot and report.json (default: kdp_out)")
+                      help=f"output folder for the plot {PLOT_FILE.format('<dataset>')} and the "
+                           f"report {REPORT_FILE.format('<dataset>')} (default: kdp_out)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -239,12 +243,7 @@ def _process_age():
 
 def run_demo(args):
     start = time.perf_counter()
-    import logging
-
     import keras
-
-    # dp-accounting's RDP code warns (harmlessly) while the calibration probes small σ.
-    logging.getLogger("absl").setLevel(logging.ERROR)
 
     import kdp
     from kdp import accounting
@@ -300,7 +299,7 @@ def run_demo(args):
     total = _process_age()
 
     os.makedirs(args.out, exist_ok=True)
-    plot_path = os.path.join(args.out, f"demo_{args.dataset}.png")
+    plot_path = os.path.join(args.out, PLOT_FILE.format(args.dataset))
     save_plot(history, plot_path,
               f"kdp demo: DP MLP on {args.dataset}, ε={eps:.2f}, δ={delta:g}, σ={sigma:.2f}")
     report = {
@@ -313,7 +312,7 @@ def run_demo(args):
         "wall_time_s": wall, "process_time_s": total, "backend": keras.backend.backend(), "plot": plot_path,
         "history": {k: [float(v) for v in vals] for k, vals in history.items()},
     }
-    with open(os.path.join(args.out, f"report_{args.dataset}.json"), "w") as f:
+    with open(os.path.join(args.out, REPORT_FILE.format(args.dataset)), "w") as f:
         json.dump(report, f, indent=1)
     print(format_report(report), flush=True)
     return report

@@ -74,11 +74,15 @@ def _finish(x_train, y_train, x_test, y_test, domain_bound, input_bound, batch_s
     y_train = np.asarray(y_train).reshape(-1).astype("int32")
     y_test = np.asarray(y_test).reshape(-1).astype("int32")
     n = len(x_train)
+    if batch_size > n:  # as DatasetMetadata would, with the fix
+        raise ValueError(f"batch_size={batch_size} is larger than the {n} training examples: "
+                         f"pass batch_size={n} or less (a batch larger than the dataset is not "
+                         "a subsample)")
     metadata = DatasetMetadata(
         input_shape=x_train.shape[1:],
         nb_classes=len(class_names),
         nb_samples_train=n,
-        batch_size=min(int(batch_size), n),
+        batch_size=batch_size,
         nb_samples_test=len(x_test),
         class_names=class_names,
         max_norm=bound,
@@ -102,7 +106,8 @@ def load_digits(batch_size=256, input_bound=None, flatten=True, test_size=0.2, s
     image: ``metadata.max_norm = 8`` unless ``input_bound`` sets a smaller one.
 
     Args:
-        batch_size: expected batch size stored in the metadata (capped at N).
+        batch_size: expected batch size stored in the metadata, at most the
+            number of training examples N (1 437 with the defaults).
         input_bound: ``None``, a clipping radius, or ``"normalize"`` (see
             `input_bound_fn`).
         flatten: ``(64,)`` vectors (default) or ``(8, 8, 1)`` images.

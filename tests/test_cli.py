@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -75,6 +76,25 @@ def test_certified_accuracy_matches_margins():
     assert cert[0.2] == pytest.approx(np.mean((radius > 0.2) & (logits.argmax(1) == y)), abs=0.021)
 
 
+def test_backend_flag_re_executes_when_keras_runs_another_backend(monkeypatch):
+    """`main` called where Keras is already imported (here, with BACKEND) re-executes
+    ``python -m kdp`` once with the variable set; never a second time."""
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda *args: calls.append(args))
+    monkeypatch.delenv(cli._REEXEC_FLAG, raising=False)
+    monkeypatch.setenv("KERAS_BACKEND", BACKEND)
+    argv = ["demo", "--backend", OTHER]
+    cli._ensure_backend(BACKEND, argv)
+    assert not calls
+    cli._ensure_backend(OTHER, argv)
+    (path, args, env), = calls
+    assert args == [sys.executable, "-m", "kdp", *argv]
+    assert env["KERAS_BACKEND"] == OTHER and env[cli._REEXEC_FLAG] == "1"
+    monkeypatch.setenv(cli._REEXEC_FLAG, "1")
+    with pytest.raises(SystemExit, match="could not switch"):
+        cli._ensure_backend(OTHER, argv)
+
+
 def _run(args, env_backend, timeout=240, cwd=None):
     env = dict(os.environ, KERAS_BACKEND=env_backend, TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run([sys.executable, "-m", "kdp", *args], env=env, capture_output=True,
@@ -89,7 +109,7 @@ def test_bad_flag_in_a_subprocess():
 
 def test_demo_end_to_end(tmp_path):
     """A short demo on the current backend, started under the other backend's variable
-    so that --backend must take effect (re-executing the process), from a folder
+    so that --backend must take effect (set before Keras is imported), from a folder
     that holds a clone named ``kdp`` (which shadowed the package as a namespace)."""
     work = tmp_path / "work"
     (work / "kdp").mkdir(parents=True)
@@ -111,3 +131,127 @@ def test_demo_end_to_end(tmp_path):
     assert len(report["history"]["epsilon"]) == 2
     png = tmp_path / "demo_digits.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# --- start-up: `--help` without Keras, a lazy package --------------------------------
+
+HEAVY = {"keras", "tensorflow", "jax", "dp_accounting"}
+
+
+def _imported(code_or_module_args):
+    """Top-level packages a fresh interpreter imports for these arguments (``-X importtime``)."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-X", "importtime", *code_or_module_args],
+                            capture_output=True, text=True, timeout=120)
+    print(f"\n{' '.join(code_or_module_args)[:60]!r}: {time.perf_counter() - start:.2f} s")
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return result, {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines[1:]}
+
+
+@pytest.mark.parametrize("args", [
+    ["-m", "kdp", "--help"],
+    ["-m", "kdp", "demo", "--help"],
+    ["-c", "import sys; from kdp.cli import main; sys.argv = ['kdp', '--help']; sys.exit(main())"],
+])
+def test_help_imports_neither_keras_nor_a_backend(args):
+    """``python -m kdp --help`` and the console script ``kdp --help`` (whose script
+    calls `kdp.cli.main`) answer without importing Keras, TensorFlow, JAX or dp-accounting."""
+    result, imported = _imported(args)
+    assert result.returncode == 0 and "usage: kdp" in result.stdout, result.stderr[-2000:]
+    assert "kdp" in imported and not imported & HEAVY
+
+
+def test_import_kdp_is_lazy_and_resolves_the_public_names():
+    code = """
+import sys
+import kdp
+assert not {"keras", "tensorflow", "jax"} & set(sys.modules), "import kdp imported Keras"
+assert set(kdp.__all__) <= set(dir(kdp)) and kdp.__version__
+namespace = {}
+exec("from kdp import *", namespace)
+from kdp.model import DP_Sequential
+assert kdp.DP_Sequential is DP_Sequential and namespace["DP_Sequential"] is DP_Sequential
+assert all(namespace[name] is getattr(kdp, name) for name in kdp.__all__)
+assert kdp.datasets.load_digits and kdp.certificates.certified_accuracy  # submodules too
+assert not hasattr(kdp, "no_such_name") and not hasattr(kdp, "_no_such_name")
+"""
+    result, _ = _imported(["-c", code])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_package_version_is_a_literal_setup_cfg_can_read():
+    import ast
+
+    import kdp
+
+    tree = ast.parse(open(kdp.__file__).read())
+    assigned = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets}
+    assert ast.literal_eval(assigned["__version__"]) == kdp.__version__
+
+
+@pytest.mark.parametrize("imports", ["import kdp\nimport keras",
+                                     "from kdp.layers import DP_GroupSort\nimport keras"])
+def test_a_saved_model_loads_in_a_fresh_process_after_importing_kdp(tmp_path, imports):
+    """Keras only finds kdp's classes once registered, at the import of their module:
+    kdp registers them all when Keras is imported (after the kdp module that imported
+    it, in the second case)."""
+    import kdp
+    from kdp import layers as L
+    from kdp import losses
+
+    model = kdp.DP_Sequential(
+        [L.DP_BoundedInput((4,), upper_bound=1.0), L.DP_QuickSpectralDense(8), L.DP_GroupSort(2),
+         L.DP_QuickSpectralDense(3)],
+        dp_parameters=kdp.DPParameters("global", noise_multiplier=2.0, delta=1e-3),
+        dataset_metadata=kdp.DatasetMetadata((4,), 3, 64, 16))
+    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(4.0))
+    model.save(tmp_path / "m.keras")
+    x = np.linspace(-1, 1, 8, dtype="float32").reshape(2, 4)
+    code = f"""{imports}
+import numpy as np
+model = keras.models.load_model({str(tmp_path / "m.keras")!r})
+print(type(model).__name__, type(model.loss).__name__)
+print(np.asarray(model(np.linspace(-1, 1, 8, dtype="float32").reshape(2, 4))).tolist())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=240, env=dict(os.environ, KERAS_BACKEND=BACKEND))
+    assert result.returncode == 0, result.stderr[-3000:]
+    names, outputs = result.stdout.strip().splitlines()[-2:]
+    assert names == "DP_Sequential DP_TauCategoricalCrossentropy"
+    np.testing.assert_allclose(json.loads(outputs), np.asarray(model(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_help_names_the_report_file_the_demo_writes(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "report_<dataset>.json" in out and "demo_<dataset>.png" in out
+    assert "report.json" not in out
+
+
+# --- the tensorboard extra --------------------------------------------------------------
+
+def test_epsilon_reaches_tensorboard(tmp_path):
+    """With the ``tensorboard`` extra installed, Keras' TensorBoard callback shows ε and δ."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    import kdp
+    from kdp import layers as L
+    from kdp import losses
+
+    model = kdp.DP_Sequential(
+        [L.DP_BoundedInput((4,), upper_bound=1.0), L.DP_QuickSpectralDense(3)],
+        dp_parameters=kdp.DPParameters("global", noise_multiplier=2.0, delta=1e-3),
+        dataset_metadata=kdp.DatasetMetadata((4,), 3, 64, 16))
+    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(4.0))
+    x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.arange(64) % 3
+    history = model.fit(x, y, epochs=2, verbose=0,
+                        callbacks=[keras.callbacks.TensorBoard(str(tmp_path))]).history
+    events = EventAccumulator(str(tmp_path / "train"))
+    events.Reload()
+    for name in ("epsilon", "delta"):
+        logged = [float(make_ndarray(e.tensor_proto)) for e in events.Tensors(f"epoch_{name}")]
+        assert logged == pytest.approx(history[name], rel=1e-6)

@@ -119,17 +119,16 @@ def test_grayscale_npz(tmp_path, rng, loader, no_network):
     assert y.dtype == np.int32
     assert md.nb_samples_train == 40 and md.batch_size == 16 and md.nb_classes == 10
     assert md.max_norm == pytest.approx(28.0) and _norms(x).max() <= 28.0
-    (x, _), _, md = loader(path=str(path), flatten=True, input_bound=3.0)
+    (x, _), _, md = loader(path=str(path), flatten=True, input_bound=3.0, batch_size=40)
     assert x.shape == (40, 784) and md.input_shape == (784,) and md.max_norm == 3.0
     assert _norms(x).max() <= 3.0 + 1e-5
-    # the default batch size (256) is capped at N
-    assert md.batch_size == 40
 
 
 def test_cifar10_npz_labels_and_bound(tmp_path, rng, no_network):
     path = tmp_path / "cifar.npz"
     arrays = _write_npz(path, rng, 30, 6, (32, 32, 3), label_shape=(1,))
-    (x, y), (xt, yt), md = datasets.load_cifar10(path=str(path), input_bound="normalize")
+    (x, y), (xt, yt), md = datasets.load_cifar10(path=str(path), input_bound="normalize",
+                                                 batch_size=8)
     assert x.shape == (30, 32, 32, 3) and y.shape == (30,) and yt.shape == (6,)
     np.testing.assert_array_equal(y, arrays["y_train"][:, 0])
     assert md.max_norm == 1.0 and md.class_names[0] == "airplane"
@@ -144,8 +143,10 @@ def test_preprocessing_never_looks_at_other_examples(tmp_path, rng, no_network):
     b["x_train"][1:, :4] = 255  # very different statistics
     np.savez(tmp_path / "b.npz", **b)
     for bound in (None, 5.0, "normalize"):
-        (xa, _), _, ma = datasets.load_mnist(path=str(tmp_path / "a.npz"), input_bound=bound)
-        (xb, _), _, mb = datasets.load_mnist(path=str(tmp_path / "b.npz"), input_bound=bound)
+        (xa, _), _, ma = datasets.load_mnist(path=str(tmp_path / "a.npz"), input_bound=bound,
+                                             batch_size=4)
+        (xb, _), _, mb = datasets.load_mnist(path=str(tmp_path / "b.npz"), input_bound=bound,
+                                             batch_size=4)
         np.testing.assert_array_equal(xa[0], xb[0])
         assert ma.max_norm == mb.max_norm
 
@@ -161,3 +162,21 @@ def test_load_dataset_dispatch():
     assert md.batch_size == 32
     with pytest.raises(ValueError, match="unknown dataset"):
         datasets.load_dataset("imagenet")
+
+
+@pytest.mark.parametrize("name", sorted(datasets.LOADERS))
+def test_a_batch_larger_than_the_training_set_is_refused(name, tmp_path, rng, no_network):
+    """Like `DatasetMetadata`, every loader refuses batch_size > N (it used to cap it at N,
+    silently changing the sampling rate q = b/N) and accepts batch_size = N."""
+    kwargs = {}
+    if name in ("mnist", "fashion_mnist", "cifar10"):
+        shape = (32, 32, 3) if name == "cifar10" else (28, 28)
+        _write_npz(tmp_path / "small.npz", rng, 40, 10, shape)
+        kwargs["path"] = str(tmp_path / "small.npz")
+    n = len(datasets.load_dataset(name, batch_size=1, **kwargs)[0][0])
+    with pytest.raises(ValueError, match=f"batch_size=5000 is larger than the {n} training "
+                                         f"examples: pass batch_size={n} or less"):
+        datasets.load_dataset(name, batch_size=5000, **kwargs)
+    with pytest.raises(ValueError, match="batch_size"):
+        DatasetMetadata((1,), 2, n, 5000)  # the same refusal
+    assert datasets.load_dataset(name, batch_size=n, **kwargs)[2].batch_size == n
