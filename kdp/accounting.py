@@ -28,6 +28,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 
 from kdp._quiet import quiet_dp_accounting
+from kdp.compat import DPGD_Mechanism  # noqa: F401 (lip-dp's name, refused with a pointer)
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "shuffle")

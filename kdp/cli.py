@@ -245,7 +245,6 @@ def run_demo(args):
     start = time.perf_counter()
     import keras
 
-    import kdp
     from kdp import accounting
     from kdp.datasets import load_dataset
 
@@ -267,20 +266,19 @@ def run_demo(args):
             )
     else:
         epochs = args.epochs
-    steps = epochs * spe
-    if args.noise_multiplier is None:
-        sigma = accounting.calibrate_noise_multiplier(args.epsilon, q, steps, args.delta)
-    else:
-        sigma = args.noise_multiplier
-    planned = accounting.compute_epsilon(sigma, q, steps, args.delta)
-    if planned > args.epsilon * (1 + 1e-6):
-        raise SystemExit(
-            f"kdp demo: error: {epochs} epochs at sigma={sigma:g} cost epsilon={planned:.3f} "
-            f"> target {args.epsilon:g}; lower --epochs or raise --noise-multiplier"
-        )
+    sigma = args.noise_multiplier
+    if sigma is not None:
+        planned = accounting.compute_epsilon(sigma, q, epochs * spe, args.delta)
+        if planned > args.epsilon * (1 + 1e-6):
+            raise SystemExit(
+                f"kdp demo: error: {epochs} epochs at sigma={sigma:g} cost epsilon={planned:.3f} "
+                f"> target {args.epsilon:g}; lower --epochs or raise --noise-multiplier"
+            )
 
     keras.utils.set_random_seed(0)  # initialisation only; the DP noise uses OS entropy
-    model = build_model(preset, md, sigma, args.delta)
+    model = build_model(preset, md, sigma or 1.0, args.delta)
+    if sigma is None:  # privacy in one call: σ for this model, the target as its budget
+        sigma = model.make_private(target_epsilon=args.epsilon, epochs=epochs)
     radius = preset["radius"] if args.radius is None else args.radius
     print(
         f"kdp demo: {args.dataset} (N={n}, {md.nb_classes} classes), target epsilon={args.epsilon:g}, "
@@ -290,7 +288,7 @@ def run_demo(args):
     )
     history = model.fit(
         x_train, y_train, epochs=epochs, validation_data=(x_test, y_test),
-        callbacks=[kdp.DP_Accountant()], verbose=0 if args.quiet else 1,
+        verbose=0 if args.quiet else 1,
     ).history
     eps, delta = model.privacy_spent()
     test_acc = float(model.evaluate(x_test, y_test, verbose=0, batch_size=512)[1])

@@ -13,6 +13,7 @@
   break a bound.
 """
 
+import importlib.util
 import os
 import warnings
 
@@ -394,6 +395,7 @@ class DPModelMixin:
         # shuffle would reorder, and for shuffled passes interleave, them.
         kwargs["shuffle"] = False
         callbacks = list(callbacks or [])
+        _check_tensorboard(callbacks)
         gate, mechanism = self.privacy_gate, budget.fit_mechanism(spec)
         journal = _journal_for(callbacks)
         if journal is not None:  # recover the steps of a run that was killed
@@ -500,6 +502,17 @@ def _journal_for(callbacks):
         if isinstance(cb, keras.callbacks.BackupAndRestore):
             return LedgerJournal(os.path.join(cb.backup_dir, PrivacyJournal.FILENAME))
     return None
+
+
+def _check_tensorboard(callbacks):
+    """Refuse `keras.callbacks.TensorBoard` without the ``tensorboard`` package
+    now: it would fail at its first write, after a step was spent."""
+    if (any(isinstance(cb, keras.callbacks.TensorBoard) for cb in callbacks)
+            and importlib.util.find_spec("tensorboard") is None):
+        raise ImportError(
+            "keras.callbacks.TensorBoard needs the tensorboard package, which TensorFlow 2.21 "
+            "and later no longer install: pip install \"kdp[tensorboard]\" (or pip install "
+            "tensorboard). Nothing was spent.")
 
 
 def _is_arrays(x):

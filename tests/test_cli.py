@@ -1,5 +1,6 @@
 """The command line: `python -m kdp demo`, its flags, its report and its plot."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -255,3 +256,21 @@ def test_epsilon_reaches_tensorboard(tmp_path):
     for name in ("epsilon", "delta"):
         logged = [float(make_ndarray(e.tensor_proto)) for e in events.Tensors(f"epoch_{name}")]
         assert logged == pytest.approx(history[name], rel=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                    reason="tensorboard is installed: the callback works")
+def test_tensorboard_without_its_package_is_refused_before_any_step(tmp_path):
+    import kdp
+    from kdp import layers as L
+    from kdp import losses
+
+    model = kdp.DP_Sequential(
+        [L.DP_BoundedInput((4,), upper_bound=1.0), L.DP_QuickSpectralDense(3)],
+        dp_parameters=kdp.DPParameters("global", noise_multiplier=2.0, delta=1e-3),
+        dataset_metadata=kdp.DatasetMetadata((4,), 3, 64, 16))
+    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(4.0))
+    x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.arange(64) % 3
+    with pytest.raises(ImportError, match=r"kdp\[tensorboard\]"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
+    assert model.privacy_ledger.training_steps() == 0  # Keras alone fails after a step was spent

@@ -42,6 +42,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 from scipy.special import gammaln
 
+from kdp._quiet import quiet_dp_accounting
 from kdp.accounting import event_from_config, event_to_config, largest_count
 from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import mechanism_event
@@ -102,6 +103,7 @@ def step_event(noise_multipliers, dataset_size, batch_size, sampling="without-re
     return dp_accounting.ComposedDpEvent([sample(_inner([s])) for s in noise_multipliers])
 
 
+@quiet_dp_accounting()
 def step_rdp(event, sampling="without-replacement", orders=None):
     """RDP curve of one event at ``orders`` (dp-accounting's RDP accountant)."""
     orders = np.asarray(orders if orders is not None else ORDERS, float)
