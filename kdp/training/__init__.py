@@ -6,7 +6,9 @@
 * `objective`: the noisy objective (noise calibration, ``σ_eff``);
 * `ledger`: `PrivacyLedger` (runs, merge) and `LedgerJournal`;
 * `gate`: `PrivacyGate`, through which every noisy release is recorded and budgeted;
-* `budget`: a model's per-step mechanism, planned releases, ε of more epochs;
+* `budget`: a model's per-step mechanism, planned releases, ε of more epochs,
+  `make_private` (privacy in one call);
+* `statement`: the privacy statement of a model;
 * `saving`: the ledger inside every weights file.
 """
 
