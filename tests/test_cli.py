@@ -233,12 +233,7 @@ def test_help_names_the_report_file_the_demo_writes(capsys):
 
 # --- the tensorboard extra --------------------------------------------------------------
 
-def test_epsilon_reaches_tensorboard(tmp_path):
-    """With the ``tensorboard`` extra installed, Keras' TensorBoard callback shows ε and δ."""
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util.tensor_util import make_ndarray
-
+def _tiny_model_and_data():
     import kdp
     from kdp import layers as L
     from kdp import losses
@@ -248,7 +243,16 @@ def test_epsilon_reaches_tensorboard(tmp_path):
         dp_parameters=kdp.DPParameters("global", noise_multiplier=2.0, delta=1e-3),
         dataset_metadata=kdp.DatasetMetadata((4,), 3, 64, 16))
     model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(4.0))
-    x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.arange(64) % 3
+    return model, np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.arange(64) % 3
+
+
+def test_epsilon_reaches_tensorboard(tmp_path):
+    """With the ``tensorboard`` extra installed, Keras' TensorBoard callback shows ε and δ."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    model, x, y = _tiny_model_and_data()
     history = model.fit(x, y, epochs=2, verbose=0,
                         callbacks=[keras.callbacks.TensorBoard(str(tmp_path))]).history
     events = EventAccumulator(str(tmp_path / "train"))
@@ -261,16 +265,7 @@ def test_epsilon_reaches_tensorboard(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
                     reason="tensorboard is installed: the callback works")
 def test_tensorboard_without_its_package_is_refused_before_any_step(tmp_path):
-    import kdp
-    from kdp import layers as L
-    from kdp import losses
-
-    model = kdp.DP_Sequential(
-        [L.DP_BoundedInput((4,), upper_bound=1.0), L.DP_QuickSpectralDense(3)],
-        dp_parameters=kdp.DPParameters("global", noise_multiplier=2.0, delta=1e-3),
-        dataset_metadata=kdp.DatasetMetadata((4,), 3, 64, 16))
-    model.compile(optimizer="sgd", loss=losses.DP_TauCategoricalCrossentropy(4.0))
-    x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.arange(64) % 3
+    model, x, y = _tiny_model_and_data()
     with pytest.raises(ImportError, match=r"kdp\[tensorboard\]"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
     assert model.privacy_ledger.training_steps() == 0  # Keras alone fails after a step was spent
