@@ -53,7 +53,6 @@ from kdp import layers as L, losses
 from kdp.autodiff import per_example_gradients
 from kdp.callbacks import AdaptiveQuantileClipping
 
-logging.getLogger("absl").setLevel(logging.ERROR)
 logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notices of the SNR probe
 plt.rcParams["figure.dpi"] = 72  # small stored figures
 keras.utils.set_random_seed(0)  # initialisation only: the DP noise draws from the OS

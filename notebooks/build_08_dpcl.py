@@ -30,7 +30,6 @@ subsampled event (joint accounting). We compare k-NN accuracy at ε = 8."""),
 import os
 SMALL = os.environ.get("KDP_NOTEBOOK_SMALL", "0") == "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import logging
 import time
 import warnings
 
@@ -43,7 +42,6 @@ from kdp.dpcl import DPCLTrainer, accounting as A
 from kdp.layers import DP_BoundedInput, DP_GroupSort, DP_SpectralDense
 from kdp.losses.contrastive import DP_InfoNCE
 
-logging.getLogger("absl").setLevel(logging.ERROR)
 T0 = time.time()
 EPSILON, DELTA, BATCH = 8.0, 1e-4, 32
 EPOCHS = 1 if SMALL else 10

@@ -21,7 +21,6 @@ import os
 SMALL = os.environ.get("KDP_NOTEBOOK_SMALL", "0") == "1"  # CI: a fast, small version
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import logging
 import time
 
 import keras
@@ -32,7 +31,6 @@ import kdp
 from kdp import accounting, layers as L, losses
 from kdp.pipeline import load_digits
 
-logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's probing warnings
 plt.rcParams["figure.dpi"] = 72  # small stored figures
 keras.utils.set_random_seed(0)  # initialisation only: the DP noise draws from the OS
 T0 = time.time()
