@@ -173,3 +173,13 @@ def test_labels_a_keras_loss_cannot_take_are_refused_before_any_step(labels, los
     assert ("class ids must lie in [0, 4)" in message if labels == "ids+2"
             else f"labels of shape {y.shape}" in message)  # the user's shapes, not the padded batch
     assert model.privacy_ledger.training_steps() == 0
+
+
+def test_model_checkpoint_placed_first_can_name_files_by_epsilon(tmp_path):
+    x, y = _data(N, 0)
+    model = _model()
+    pattern = str(tmp_path / "m_eps{epsilon:.2f}.weights.h5")
+    history = model.fit(x, y, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(pattern, save_weights_only=True)])  # was KeyError: 'epsilon'
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(f"m_eps{e:.2f}.weights.h5" for e in history.history["epsilon"])
