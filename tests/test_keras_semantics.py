@@ -183,3 +183,25 @@ def test_model_checkpoint_placed_first_can_name_files_by_epsilon(tmp_path):
         keras.callbacks.ModelCheckpoint(pattern, save_weights_only=True)])  # was KeyError: 'epsilon'
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(f"m_eps{e:.2f}.weights.h5" for e in history.history["epsilon"])
+
+
+@pytest.mark.parametrize("mistake", ["label K+8", "label -1", "features D+3"])
+def test_classic_mistakes_are_refused_before_the_first_step(mistake):
+    x, y = _data(N, 0)
+    if mistake == "label K+8":
+        y, expected = np.where(np.arange(N) == 5, K + 8, y), r"class ids must lie in \[0, 4\)"
+    elif mistake == "label -1":
+        y, expected = np.where(np.arange(N) == 5, -1, y), r"class ids must lie in \[0, 4\)"
+    else:
+        x, expected = np.concatenate([x, x[:, :3]], axis=1), r"examples of shape \(11,\).*input_shape=\(8,\)"
+    model = _model()
+    with pytest.raises(ValueError, match=expected):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 0
+
+
+def test_an_accountant_typo_is_refused_at_construction():
+    import kdp
+
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        kdp.DP_Accountant(accountant="rpd")
