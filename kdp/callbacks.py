@@ -21,7 +21,8 @@ class DP_Accountant(keras.callbacks.Callback):
             **before** the block of steps (``steps_per_execution``) whose ε would
             exceed it; a model whose ledger already exceeds it is refused.
         accountant: ``"rdp"`` or ``"pld"`` (for ε in the logs and the budget).
-        per_step: also write ε into the batch logs (the progress bar shows it).
+        per_step: write this accountant's ε into the batch logs (every DP model's
+            `fit` already writes the RDP ε there).
         log_fn: ``"logging"`` (or lip-dp's ``"all"``) to also log ε at each epoch
             end with `logging`. lip-dp's ``"wandb"`` or a function is refused:
             ``epsilon`` and ``delta`` are in the epoch logs, for any logging callback.

@@ -8,7 +8,7 @@ first line to change. README, "Coming from lip-dp", has the whole table.
 """
 
 
-class LipDPNameError(NotImplementedError):
+class LipDPNameError(RuntimeError):
     """A lip-dp name that kdp does not provide; the message names the kdp replacement."""
 
 

@@ -74,10 +74,6 @@ def _finish(x_train, y_train, x_test, y_test, domain_bound, input_bound, batch_s
     y_train = np.asarray(y_train).reshape(-1).astype("int32")
     y_test = np.asarray(y_test).reshape(-1).astype("int32")
     n = len(x_train)
-    if batch_size > n:  # as DatasetMetadata would, with the fix
-        raise ValueError(f"batch_size={batch_size} is larger than the {n} training examples: "
-                         f"pass batch_size={n} or less (a batch larger than the dataset is not "
-                         "a subsample)")
     metadata = DatasetMetadata(
         input_shape=x_train.shape[1:],
         nb_classes=len(class_names),

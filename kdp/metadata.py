@@ -41,11 +41,13 @@ class DatasetMetadata:
         self.max_norm = None if max_norm is None else float(max_norm)
         if self.nb_samples_train < 1:
             raise ValueError(f"nb_samples_train must be >= 1, got {nb_samples_train}")
-        if not 1 <= self.batch_size <= self.nb_samples_train:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self.batch_size > self.nb_samples_train:
             raise ValueError(
-                f"batch_size must be in [1, nb_samples_train={self.nb_samples_train}], "
-                f"got {batch_size}: a batch larger than the dataset is not a subsample"
-            )
+                f"batch_size={batch_size} is larger than the {self.nb_samples_train} training "
+                f"examples: pass batch_size={self.nb_samples_train} or less (a batch larger "
+                "than the dataset is not a subsample)")
         if self.max_norm is not None and not self.max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
 

@@ -40,8 +40,9 @@ def _as(cls, value):
 class _GateCallback(keras.callbacks.Callback):
     """`fit`'s side of the gate: takes back the steps of a block that provably did
     not run (the end of an epoch inside a ``steps_per_execution`` block), stops
-    training, with a warning, before a block the budgets would not allow, and
-    writes ``epsilon`` and ``delta`` (RDP) into every epoch's logs.
+    training before a block the budgets would not allow (`fit` then warns), and
+    writes ``epsilon`` (RDP) into every step's logs and ``epsilon``, ``delta``
+    into every epoch's.
 
     The gate itself records each block before it runs (the wrapped train
     function); this callback is first in `fit`'s list, so other callbacks
@@ -85,17 +86,6 @@ class _GateCallback(keras.callbacks.Callback):
         # checkpoints, the user's) sees ε and δ, with or without DP_Accountant.
         if logs is not None:
             logs["epsilon"], logs["delta"] = self._model.privacy_spent()
-
-    def on_train_end(self, logs=None):
-        model = self._model
-        if getattr(model, "_budget_stop", False):  # fit warns once it returns
-            eps, delta = model.privacy_spent()
-            limits = ", ".join(f"epsilon_max={e:g}" for e, _ in model.privacy_gate.budgets())
-            model._budget_stop = (
-                f"{model.name}: training stopped by the privacy budget ({limits}) after "
-                f"{model.privacy_ledger.training_steps(model.privacy_gate.run)} steps of this "
-                f"fit ({model.privacy_ledger.training_steps()} in the ledger), at ε={eps:.4g} "
-                f"(δ={delta:g}); the next step would exceed it.")
 
 
 class _ProgbarLogger(keras.callbacks.ProgbarLogger):
@@ -414,7 +404,7 @@ class DPModelMixin:
                                   sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
                                   **kwargs)
             if self._budget_stop:
-                warnings.warn(self._budget_stop, stacklevel=2)
+                warnings.warn(_budget_stop_message(self), stacklevel=2)
             return history
         finally:
             gate.journal = None
@@ -502,6 +492,15 @@ def _journal_for(callbacks):
         if isinstance(cb, keras.callbacks.BackupAndRestore):
             return LedgerJournal(os.path.join(cb.backup_dir, PrivacyJournal.FILENAME))
     return None
+
+
+def _budget_stop_message(model):
+    eps, delta = model.privacy_spent()
+    limits = ", ".join(f"epsilon_max={e:g}" for e, _ in model.privacy_gate.budgets())
+    return (f"{model.name}: training stopped by the privacy budget ({limits}) after "
+            f"{model.privacy_ledger.training_steps(model.privacy_gate.run)} steps of this fit "
+            f"({model.privacy_ledger.training_steps()} in the ledger), at ε={eps:.4g} "
+            f"(δ={delta:g}); the next step would exceed it.")
 
 
 def _check_tensorboard(callbacks):

@@ -108,7 +108,7 @@ def test_lipdp_loaders_refused_where_lipdp_had_them():
     with pytest.raises(kdp.compat.LipDPNameError, match="kdp.pipeline.load_mnist"):
         kdp.pipeline.load_and_prepare_images_data(
             "mnist", batch_size=1000, drop_remainder=True, bound_fct=bound_clip_value(20.0))
-    with pytest.raises(NotImplementedError, match="DatasetMetadata"):
+    with pytest.raises(RuntimeError, match="DatasetMetadata"):
         kdp.pipeline.prepare_tabular_data(None, None, None, None, batch_size=200)
     assert "load_and_prepare_images_data" not in kdp.pipeline.__all__
 

@@ -177,6 +177,6 @@ def test_a_batch_larger_than_the_training_set_is_refused(name, tmp_path, rng, no
     with pytest.raises(ValueError, match=f"batch_size=5000 is larger than the {n} training "
                                          f"examples: pass batch_size={n} or less"):
         datasets.load_dataset(name, batch_size=5000, **kwargs)
-    with pytest.raises(ValueError, match="batch_size"):
-        DatasetMetadata((1,), 2, n, 5000)  # the same refusal
+    with pytest.raises(ValueError, match=f"pass batch_size={n} or less"):
+        DatasetMetadata((1,), 2, n, 5000)  # the same refusal, from the same place
     assert datasets.load_dataset(name, batch_size=n, **kwargs)[2].batch_size == n

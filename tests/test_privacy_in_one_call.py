@@ -102,6 +102,9 @@ def test_make_private_refuses_an_unreachable_target_and_bad_arguments():
             model.make_private(**bad)
     with pytest.raises(ValueError, match="1/N"):
         model.make_private(target_epsilon=1.0, epochs=1, delta=0.5)
+    with pytest.raises(ValueError, match="unreachable"):
+        model.make_private(target_epsilon=spent * 0.9, epochs=1, delta=1e-4)
+    assert model.dp_parameters is before  # not even the δ it was given
 
 
 def test_a_plain_calibrated_sigma_on_a_per_layer_model_warns():

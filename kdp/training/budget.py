@@ -158,6 +158,15 @@ def make_private(model, target_epsilon, epochs, delta=None):
         raise ValueError(f"epochs must be a whole number >= 1, got {epochs}")
     if model.dp_parameters is None or model.dataset_metadata is None:
         raise ValueError(f"{model.name}: pass dp_parameters= and dataset_metadata= first")
+    before = model.dp_parameters
+    try:
+        return _make_private(model, target_epsilon, epochs, delta)
+    except BaseException:
+        model.dp_parameters = before  # a refusal changes nothing
+        raise
+
+
+def _make_private(model, target_epsilon, epochs, delta):
     if delta is not None:
         model.dp_parameters = model.dp_parameters.replace(delta=delta)
     model.check_delta()
