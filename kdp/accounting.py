@@ -21,6 +21,7 @@ Per-layer noise with multipliers ``σ·c_v`` is one Gaussian mechanism with
 """
 
 import functools
+import json
 import math
 
 import dp_accounting
@@ -113,7 +114,8 @@ def event_from_config(config):
     def convert(value):
         if isinstance(value, dict):
             value = dict(value)
-            cls = getattr(dp_accounting, value.pop("class_name"), None)
+            name = value.pop("class_name")
+            cls = getattr(dp_accounting, name, None) or getattr(dp_accounting.dp_event, name, None)
             if not (isinstance(cls, type) and issubclass(cls, dp_accounting.DpEvent)):
                 raise ValueError(f"unknown DpEvent in {config}")
             return cls(**{k: convert(v) for k, v in value.items()})
@@ -152,11 +154,19 @@ def _accountant(accountant):
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
-@functools.lru_cache(maxsize=256)
 def _unit_rdp(event):
     """The RDP curve (at dp-accounting's default orders) of one ``event``, cached:
     the Poisson-subsampled Gaussian costs ~0.2 s per evaluation and training
-    asks for ε of the same step at every epoch."""
+    asks for ε of the same step at every epoch. Events holding lists (a
+    `RepeatAndSelectDpEvent` of a composition) are cached by their JSON form."""
+    try:
+        return _unit_rdp_cached(event)
+    except TypeError:  # unhashable: a list inside
+        return _unit_rdp_of_config(json.dumps(event_to_config(event), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _unit_rdp_cached(event):
     acc = dp_accounting.rdp.RdpAccountant()
     acc.compose(event)
     rdp = np.array(acc._rdp, dtype=float)
@@ -164,11 +174,25 @@ def _unit_rdp(event):
     return rdp
 
 
-def _rdp_epsilon(events, delta):
-    # Exactly what RdpAccountant computes (it also adds count × the RDP of one
-    # event for a self-composed event), with the one-event curves cached.
-    orders = np.asarray(_rdp_lib.DEFAULT_RDP_ORDERS, dtype=float)
-    total = np.zeros_like(orders)
+@functools.lru_cache(maxsize=64)
+def _unit_rdp_of_config(config_json):
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(event_from_config(json.loads(config_json)))
+    rdp = np.array(acc._rdp, dtype=float)
+    rdp.setflags(write=False)
+    return rdp
+
+
+RDP_ORDERS = np.asarray(_rdp_lib.DEFAULT_RDP_ORDERS, dtype=float)
+RDP_ORDERS.setflags(write=False)
+
+
+@quiet_dp_accounting()
+def rdp_curve(events):
+    """The RDP ε(λ) of the composition of ``events`` at the orders `RDP_ORDERS`
+    (dp-accounting's defaults): the sum of each event's curve."""
+    total = np.zeros_like(RDP_ORDERS)
+
     def add(event, count):
         nonlocal total
         while isinstance(event, dp_accounting.SelfComposedDpEvent):
@@ -182,15 +206,37 @@ def _rdp_epsilon(events, delta):
 
     for event in events:
         add(event, 1)
-    return float(_rdp_lib.compute_epsilon(orders, total, delta)[0])
+    return total
+
+
+def _rdp_epsilon(events, delta):
+    # Exactly what RdpAccountant computes (it also adds count × the RDP of one
+    # event for a self-composed event), with the one-event curves cached.
+    return float(_rdp_lib.compute_epsilon(RDP_ORDERS, rdp_curve(events), delta)[0])
+
+
+def _has_selection(event):
+    """Whether ``event`` contains a `RepeatAndSelectDpEvent` (RDP only)."""
+    if isinstance(event, dp_accounting.dp_event.RepeatAndSelectDpEvent):
+        return True
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _has_selection(event.event)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_has_selection(e) for e in event.events)
+    return False
 
 
 @quiet_dp_accounting()
 def epsilon_of_events(events, delta, accountant="rdp"):
     """ε at ``delta`` of the composition of ``events``."""
     _check_delta(delta)
+    events = list(events)
     if accountant == "rdp" and hasattr(dp_accounting.rdp.RdpAccountant(), "_rdp"):
         return _rdp_epsilon(events, delta)
+    if accountant == "pld" and any(_has_selection(e) for e in events):
+        raise ValueError("this ledger holds a private hyper-parameter selection (Papernot and "
+                         "Steinke 2022), which dp-accounting accounts in RDP only: use "
+                         "accountant='rdp'")
     acc = _accountant(accountant)
     for event in events:
         acc.compose(event)
@@ -316,7 +362,8 @@ def _check_delta(delta):
 
 
 _MODEL_FUNCTIONS = ("get_eps_delta", "get_max_epochs", "calibrate_model_noise",
-                    "register_release_plan", "unregister_release_plan", "planned_events")
+                    "register_release_plan", "unregister_release_plan", "planned_events",
+                    "fit_event")
 
 
 def __getattr__(name):  # the model-facing names, without an import cycle

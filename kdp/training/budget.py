@@ -63,13 +63,27 @@ def planned_events(model, steps):
     return model.privacy_gate.planned_events(steps)
 
 
-def get_eps_delta(model, epochs, accountant="rdp"):
-    """``(ε, δ)`` after ``epochs`` more epochs of ``model.fit`` (plus what it already spent)."""
+def fit_events(model, epochs):
+    """The releases of ``epochs`` more epochs of ``model.fit``: the noisy steps
+    and what the registered plans release alongside them (not the ledger)."""
     spec = privacy_spec(model)
     steps = int(epochs) * spec["steps_per_epoch"]
-    events = (model.privacy_ledger.events() + planned_events(model, steps)
-              + [mechanism_event(fit_mechanism(spec), steps)])
-    return accounting.epsilon_of_events(events, spec["delta"], accountant), spec["delta"]
+    return planned_events(model, steps) + [mechanism_event(fit_mechanism(spec), steps)]
+
+
+def fit_event(model, epochs):
+    """`fit_events` as one `DpEvent`: e.g. the ``trial_event`` of a private
+    hyper-parameter search (`kdp.tuning.private_search`)."""
+    import dp_accounting
+
+    return dp_accounting.ComposedDpEvent(fit_events(model, epochs))
+
+
+def get_eps_delta(model, epochs, accountant="rdp"):
+    """``(ε, δ)`` after ``epochs`` more epochs of ``model.fit`` (plus what it already spent)."""
+    events = model.privacy_ledger.events() + fit_events(model, epochs)
+    delta = privacy_spec(model)["delta"]
+    return accounting.epsilon_of_events(events, delta, accountant), delta
 
 
 def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):

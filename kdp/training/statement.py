@@ -15,8 +15,8 @@ from kdp.training.objective import effective_noise_multiplier
 OTHER_DELTAS = (0.1, 0.01)
 
 NOT_COVERED = (
-    "hyper-parameter search and model selection on the private data (each trial is "
-    "a training: merge the trials' ledgers into the final model's to count them)",
+    "hyper-parameter search and model selection on the private data, unless made with "
+    "kdp.tuning.private_search (whose cost is then in the ledger, listed above)",
     "preprocessing that uses statistics of the private data (kdp's loaders use none)",
     "the training loss and metrics logged by fit (computed on private batches without "
     "noise) and any evaluation on private data",
@@ -111,6 +111,16 @@ def _releases(ledger):
     if ledger.releases("quantile"):
         parts.append(f"{ledger.releases('quantile')} private quantile releases "
                      "(adaptive clipping, Andrew et al. 2021)")
-    if ledger.releases("event"):
-        parts.append(f"{ledger.releases('event')} other releases (dp-accounting events)")
+    selections = [e for e in ledger.entries
+                  if e["kind"] == "event" and e["event"]["class_name"] == "RepeatAndSelectDpEvent"]
+    for e in selections:
+        shape = e["event"]["shape"]
+        law = ("Poisson" if shape == float("inf") else
+               f"truncated negative binomial, η = {shape:g}")
+        parts.append(f"a private hyper-parameter search: the best of a random number of trials "
+                     f"(mean {e['event']['mean']:g}, {law}; Papernot and Steinke 2022), "
+                     "each trial's training and score inside it")
+    others = ledger.releases("event") - sum(e["count"] for e in selections)
+    if others:
+        parts.append(f"{others} other releases (dp-accounting events)")
     return "; ".join(parts) + f"; in {len(ledger.runs())} run(s), composed."
