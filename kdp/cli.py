@@ -1,11 +1,12 @@
 """kdp's command line: ``python -m kdp demo`` (or the console script ``kdp demo``).
 
-The demo trains a differentially private Lipschitz MLP on a dataset bundled
-with scikit-learn (no download) to a target ε, then prints a short report and
-saves a plot of accuracy and ε against epochs::
+The demo trains a differentially private model chosen by `kdp.recipes` from
+public facts (Clipless DP-SGD or per-example clipping, ``--method``) on a
+dataset bundled with scikit-learn (no download) to a target ε, then prints a
+short report and saves a plot of accuracy and ε against epochs::
 
-    python -m kdp demo                       # digits, ε = 3, δ = 1e-5
-    python -m kdp demo --epsilon 1 --backend jax --out /tmp/kdp
+    python -m kdp demo                       # digits, ε = 3, δ = 1e-5, method auto
+    python -m kdp demo --epsilon 1 --method clipless --backend jax --out /tmp/kdp
 
 The Keras backend is fixed when Keras is first imported. ``--backend`` sets
 ``KERAS_BACKEND``; if Keras was already imported with another backend (`main`
@@ -27,20 +28,9 @@ _REEXEC_FLAG = "KDP_CLI_REEXEC"
 #: the files the demo writes in ``--out``, for each dataset
 PLOT_FILE, REPORT_FILE = "demo_{}.png", "report_{}.json"
 
-#: Hyper-parameters of the demo model for each bundled dataset (public choices,
-#: tuned once; hyper-parameter search on private data would itself leak).
-PRESETS = {
-    "digits": dict(
-        batch_size=256, width=256, input_bound=5.0, tau=8.0, learning_rate=3e-3,
-        reference_sigma=4.3, min_epochs=3, max_epochs=60, radius=0.1,
-        normalize=False, center=False, bias=False,
-    ),
-    "breast_cancer": dict(
-        batch_size=64, width=64, input_bound=1.0, tau=32.0, learning_rate=1e-2,
-        reference_sigma=3.5, min_epochs=3, max_epochs=60, radius=0.01,
-        normalize=True, center=True, bias=True,
-    ),
-}
+#: the demo's default certified-robustness radius (Clipless models only)
+DEFAULT_RADIUS = 0.1
+METHODS = ("auto", "clipless", "clipping")
 
 
 # --- argument parsing ------------------------------------------------------------
@@ -79,10 +69,11 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
-        help="train a DP Lipschitz MLP on bundled data to a target epsilon",
+        help="train a DP model on bundled data to a target epsilon",
         description=(
-            "Train a DP Lipschitz MLP (Clipless DP-SGD) on a scikit-learn bundled "
-            "dataset to a target (epsilon, delta), print a report and save a plot."
+            "Train a DP model chosen by kdp.recipes from public facts (Clipless or "
+            "per-example clipping DP-SGD) on a scikit-learn bundled dataset to a target "
+            "(epsilon, delta), print a report and save a plot."
         ),
     )
     demo.add_argument("--epsilon", type=_positive_float, default=3.0,
@@ -90,14 +81,18 @@ def build_parser():
     demo.add_argument("--delta", type=_delta, default=1e-5, help="delta (default: 1e-5)")
     demo.add_argument("--dataset", choices=DATASETS, default="digits",
                       help="bundled dataset (default: digits)")
+    demo.add_argument("--method", choices=METHODS, default="auto",
+                      help="clipless (Lipschitz layers, no per-example gradients), clipping "
+                           "(per-example clipping DP-SGD) or auto (the recipe's choice: "
+                           "Clipless from batch size 1024 on); default: auto")
     demo.add_argument("--backend", choices=BACKENDS, default=None,
                       help="Keras backend (default: $KERAS_BACKEND, else tensorflow)")
     demo.add_argument("--epochs", type=_positive_int, default=None,
-                      help="number of epochs (default: picked for the target epsilon)")
+                      help="number of epochs (default: the recipe's, kdp.recipes)")
     demo.add_argument("--noise-multiplier", type=_positive_float, default=None,
                       help="noise multiplier sigma (default: calibrated to the target epsilon)")
     demo.add_argument("--radius", type=_positive_float, default=None,
-                      help="L2 radius of the certified accuracy (default: 0.1 for digits)")
+                      help="L2 radius of the certified accuracy, Clipless models only (default: 0.1)")
     demo.add_argument("--out", default="kdp_out",
                       help=f"output folder for the plot {PLOT_FILE.format('<dataset>')} and the "
                            f"report {REPORT_FILE.format('<dataset>')} (default: kdp_out)")
@@ -127,50 +122,15 @@ def _ensure_backend(backend, argv):
 
 # --- the demo ------------------------------------------------------------------------
 
-def pick_epochs(target_epsilon, sampling_rate, steps_per_epoch, delta, reference_sigma,
-                min_epochs, max_epochs, noise_multiplier=None):
-    """Epochs for the demo: as many as the budget allows at ``reference_sigma``
-    (or at the given ``noise_multiplier``), within ``[min_epochs, max_epochs]``.
-
-    The choice depends only on public quantities (ε, δ, q, steps per epoch).
-    """
+def pick_epochs(target_epsilon, sampling_rate, steps_per_epoch, delta, noise_multiplier,
+                max_epochs):
+    """Epochs at a given σ: as many as the budget allows, at most ``max_epochs``
+    (0 if not even one fits). Depends only on public quantities."""
     from kdp import accounting
 
-    sigma = reference_sigma if noise_multiplier is None else noise_multiplier
-    steps = accounting.max_steps(target_epsilon, sigma, sampling_rate, delta, unit=steps_per_epoch)
-    epochs = steps // steps_per_epoch
-    if noise_multiplier is not None:
-        return min(epochs, max_epochs)  # never more than the budget allows
-    return int(min(max(epochs, min_epochs), max_epochs))
-
-
-def build_model(preset, metadata, sigma, delta):
-    import keras
-
-    import kdp
-    from kdp import layers as L
-    from kdp import losses
-
-    width = preset["width"]
-    body = [L.DP_BoundedInput(metadata.input_shape, upper_bound=preset["input_bound"])]
-    if preset["center"]:
-        body.append(L.DP_LayerCentering())
-    body.append(L.DP_QuickSpectralDense(width))
-    if preset["bias"]:
-        body.append(L.DP_AddBias(preset["input_bound"]))
-    body += [L.DP_GroupSort(2), L.DP_QuickSpectralDense(metadata.nb_classes)]
-    model = kdp.DP_Sequential(
-        body,
-        dp_parameters=kdp.DPParameters("global", noise_multiplier=sigma, delta=delta),
-        dataset_metadata=metadata,
-        name=f"dp_mlp_{metadata.nb_samples_train}",
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(preset["learning_rate"]),
-        loss=losses.DP_TauCategoricalCrossentropy(preset["tau"]),
-        metrics=["accuracy"],
-    )
-    return model
+    steps = accounting.max_steps(target_epsilon, noise_multiplier, sampling_rate, delta,
+                                 unit=steps_per_epoch)
+    return min(steps // steps_per_epoch, max_epochs)
 
 
 def certified_accuracy(model, x, y, radii, batch_size=512):
@@ -245,45 +205,41 @@ def run_demo(args):
     start = time.perf_counter()
     import keras
 
-    from kdp import accounting
+    from kdp import accounting, recipes
     from kdp.datasets import load_dataset
 
-    preset = PRESETS[args.dataset]
-    loader_kwargs = dict(batch_size=preset["batch_size"])
-    loader_kwargs["input_bound"] = "normalize" if preset["normalize"] else preset["input_bound"]
-    (x_train, y_train), (x_test, y_test), md = load_dataset(args.dataset, **loader_kwargs)
-    n, q, spe = md.nb_samples_train, md.sampling_rate, md.steps_per_epoch
+    (x_train, y_train), (x_test, y_test), md = load_dataset(args.dataset, batch_size=1)
+    n = md.nb_samples_train
     if not args.delta < 1.0 / n:
         raise SystemExit(f"kdp demo: error: --delta must be < 1/N = {1.0 / n:.3g}")
-
-    if args.epochs is None:
-        epochs = pick_epochs(args.epsilon, q, spe, args.delta, preset["reference_sigma"],
-                             preset["min_epochs"], preset["max_epochs"], args.noise_multiplier)
-        if epochs < 1:
-            raise SystemExit(
-                f"kdp demo: error: sigma={args.noise_multiplier} cannot train one epoch "
-                f"within epsilon={args.epsilon}; raise --noise-multiplier or --epsilon"
-            )
-    else:
-        epochs = args.epochs
+    recipe = recipes.recipe(md.input_shape, md.nb_classes, n, args.epsilon, args.delta,
+                            method=args.method, max_norm=md.max_norm)
+    md = recipe.metadata()
+    q, spe = md.sampling_rate, md.steps_per_epoch
     sigma = args.noise_multiplier
+    epochs = recipe.epochs if args.epochs is None else args.epochs
     if sigma is not None:
+        if args.epochs is None:
+            epochs = pick_epochs(args.epsilon, q, spe, args.delta, sigma, recipe.epochs)
+            if epochs < 1:
+                raise SystemExit(
+                    f"kdp demo: error: sigma={sigma} cannot train one epoch within "
+                    f"epsilon={args.epsilon}; raise --noise-multiplier or --epsilon")
         planned = accounting.compute_epsilon(sigma, q, epochs * spe, args.delta)
         if planned > args.epsilon * (1 + 1e-6):
             raise SystemExit(
                 f"kdp demo: error: {epochs} epochs at sigma={sigma:g} cost epsilon={planned:.3f} "
-                f"> target {args.epsilon:g}; lower --epochs or raise --noise-multiplier"
-            )
+                f"> target {args.epsilon:g}; lower --epochs or raise --noise-multiplier")
+    recipe.epochs = epochs
 
-    keras.utils.set_random_seed(0)  # initialisation only; the DP noise uses OS entropy
-    model = build_model(preset, md, sigma or 1.0, args.delta)
-    if sigma is None:  # privacy in one call: σ for this model, the target as its budget
-        sigma = model.make_private(target_epsilon=args.epsilon, epochs=epochs)
-    radius = preset["radius"] if args.radius is None else args.radius
+    model = recipe.build(seed=0)  # the seed is for initialisation only (noise: OS entropy)
+    if sigma is not None:  # a σ given by hand: the target stays the budget
+        model.dp_parameters = model.dp_parameters.replace(noise_multiplier=sigma)
+    sigma = model.dp_parameters.noise_multiplier
     print(
         f"kdp demo: {args.dataset} (N={n}, {md.nb_classes} classes), target epsilon={args.epsilon:g}, "
-        f"delta={args.delta:g}: {epochs} epochs x {spe} steps, q={q:.4f}, sigma={sigma:.4f}, "
-        f"backend {keras.backend.backend()}",
+        f"delta={args.delta:g}: {recipe.method}, {epochs} epochs x {spe} steps, b={md.batch_size}, "
+        f"q={q:.4f}, sigma={sigma:.4f}, backend {keras.backend.backend()}",
         flush=True,
     )
     history = model.fit(
@@ -292,19 +248,24 @@ def run_demo(args):
     ).history
     eps, delta = model.privacy_spent()
     test_acc = float(model.evaluate(x_test, y_test, verbose=0, batch_size=512)[1])
-    cert, lip = certified_accuracy(model, x_test, y_test, [radius])
+    radius = DEFAULT_RADIUS if args.radius is None else args.radius
+    cert, lip = (certified_accuracy(model, x_test, y_test, [radius]) if recipe.method == "clipless"
+                 else ({float(radius): None}, None))
     wall = time.perf_counter() - start
     total = _process_age()
 
     os.makedirs(args.out, exist_ok=True)
     plot_path = os.path.join(args.out, PLOT_FILE.format(args.dataset))
     save_plot(history, plot_path,
-              f"kdp demo: DP MLP on {args.dataset}, ε={eps:.2f}, δ={delta:g}, σ={sigma:.2f}")
+              f"kdp demo: {recipe.method} on {args.dataset}, ε={eps:.2f}, δ={delta:g}, σ={sigma:.2f}")
     report = {
-        "dataset": args.dataset, "epsilon": eps, "target_epsilon": args.epsilon,
-        "delta": delta, "noise_multiplier": sigma, "noisify_strategy": "global",
-        "sampling_rate": q, "epochs": len(history["epsilon"]),
+        "dataset": args.dataset, "method": recipe.method, "epsilon": eps,
+        "target_epsilon": args.epsilon, "delta": delta, "noise_multiplier": sigma,
+        "mechanism": ("per-example clipping, C = {:g}".format(recipe.clipping_norm)
+                      if recipe.method == "clipping" else "Clipless, global noise"),
+        "batch_size": md.batch_size, "sampling_rate": q, "epochs": len(history["epsilon"]),
         "steps": model.privacy_ledger.training_steps(), "accountant": "rdp",
+        "recipe": recipe.describe().splitlines(),
         "test_accuracy": test_acc, "certified_radius": radius,
         "certified_accuracy": cert[float(radius)], "lipschitz_constant": lip,
         "wall_time_s": wall, "process_time_s": total, "backend": keras.backend.backend(), "plot": plot_path,
@@ -317,17 +278,21 @@ def run_demo(args):
 
 
 def format_report(r):
+    robustness = (
+        f"certified accuracy at radius {r['certified_radius']:g} = "
+        f"{r['certified_accuracy']:.4f} (Lipschitz constant {r['lipschitz_constant']:.3g})"
+        if r["certified_accuracy"] is not None else
+        "no certificate (per-example clipping does not bound the Lipschitz constant)")
     lines = [
         "",
         "kdp demo report",
         f"  privacy    epsilon = {r['epsilon']:.4f} (target {r['target_epsilon']:g}), "
         f"delta = {r['delta']:g}",
-        f"  mechanism  sigma = {r['noise_multiplier']:.4f} ({r['noisify_strategy']} noise), "
-        f"steps = {r['steps']} ({r['epochs']} epochs), q = {r['sampling_rate']:.4f}, "
-        "Poisson sampling, add/remove-one, RDP accountant",
+        f"  mechanism  {r['mechanism']}, sigma = {r['noise_multiplier']:.4f}, "
+        f"steps = {r['steps']} ({r['epochs']} epochs), b = {r['batch_size']}, "
+        f"q = {r['sampling_rate']:.4f}, Poisson sampling, add/remove-one, RDP accountant",
         f"  utility    test accuracy = {r['test_accuracy']:.4f}",
-        f"  robustness certified accuracy at radius {r['certified_radius']:g} = "
-        f"{r['certified_accuracy']:.4f} (Lipschitz constant {r['lipschitz_constant']:.3g})",
+        f"  robustness {robustness}",
         f"  run        wall time = {r['wall_time_s']:.1f} s"
         + ("" if r.get("process_time_s") is None else f" ({r['process_time_s']:.0f} s with start-up)")
         + f", backend = {r['backend']}",

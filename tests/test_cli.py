@@ -49,13 +49,13 @@ def test_budget_violation_is_refused_before_training(capsys, tmp_path):
 
 def test_pick_epochs_respects_the_budget():
     q, spe, delta = 256 / 1437, 6, 1e-5
-    picked = [cli.pick_epochs(eps, q, spe, delta, 4.3, 3, 60) for eps in (1.0, 3.0, 8.0)]
+    picked = [cli.pick_epochs(eps, q, spe, delta, 4.3, 60) for eps in (1.0, 3.0, 8.0)]
     assert picked == sorted(picked) and picked[0] < picked[2]
     epochs = picked[1]
     assert accounting.compute_epsilon(4.3, q, epochs * spe, delta) <= 3.0
     assert accounting.compute_epsilon(4.3, q, (epochs + 1) * spe, delta) > 3.0
-    # with a given σ, never more epochs than the budget allows (0 if none)
-    assert cli.pick_epochs(3.0, q, spe, delta, 4.3, 3, 60, noise_multiplier=0.3) == 0
+    assert cli.pick_epochs(8.0, q, spe, delta, 4.3, 5) == 5  # never more than asked
+    assert cli.pick_epochs(3.0, q, spe, delta, 0.3, 60) == 0  # 0 if not one epoch fits
 
 
 def test_certified_accuracy_matches_margins():
@@ -115,8 +115,8 @@ def test_demo_end_to_end(tmp_path):
     work = tmp_path / "work"
     (work / "kdp").mkdir(parents=True)
     (work / "kdp" / "README.md").write_text("a clone of the repository")
-    result = _run(["demo", "--epsilon", "2", "--epochs", "2", "--backend", BACKEND,
-                   "--out", str(tmp_path)], OTHER, cwd=work)
+    result = _run(["demo", "--epsilon", "2", "--epochs", "2", "--method", "clipless",
+                   "--backend", BACKEND, "--out", str(tmp_path)], OTHER, cwd=work)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "kdp demo report" in out and "test accuracy" in out and "certified accuracy" in out
@@ -124,6 +124,7 @@ def test_demo_end_to_end(tmp_path):
     report = json.loads((tmp_path / "report_digits.json").read_text())
     assert report["backend"] == BACKEND and f"backend = {BACKEND}" in out
     assert 0 < report["epsilon"] <= 2.0 + 1e-9
+    assert report["method"] == "clipless" and report["batch_size"] == 256
     assert report["delta"] == 1e-5 and report["steps"] == 2 * 6 and report["epochs"] == 2
     # ε recomputed independently of the callback from (σ, q, steps)
     eps = accounting.compute_epsilon(report["noise_multiplier"], 256 / 1437, 12, 1e-5)
@@ -269,3 +270,15 @@ def test_tensorboard_without_its_package_is_refused_before_any_step(tmp_path):
     with pytest.raises(ImportError, match=r"kdp\[tensorboard\]"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
     assert model.privacy_ledger.training_steps() == 0  # Keras alone fails after a step was spent
+
+
+def test_the_default_method_follows_the_recipe_and_reports_no_certificate(tmp_path, capsys):
+    """digits (N = 1437): the recipe's batch size is 256 < 1024, so ``auto`` is
+    per-example clipping, which has no Lipschitz certificate to report."""
+    report = cli.main(["demo", "--epochs", "1", "--quiet", "--out", str(tmp_path)])
+    assert report == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "report_digits.json").read_text())
+    assert data["method"] == "clipping" and data["certified_accuracy"] is None
+    assert "no certificate" in out and "per-example clipping, C = 1" in out
+    assert 0 < data["epsilon"] <= 3.0 + 1e-9 and data["steps"] == 6
