@@ -144,6 +144,36 @@ def tnb_gamma(eta, mean):
     return 0.5 * (lo + hi)
 
 
+def calibrate_trial_noise(target_epsilon, delta, sampling_rate, steps, mean_trials,
+                          distribution="geometric", eta=None, score_noise_multiplier=None):
+    """The smallest training σ (to 1e-4) with which the whole search (a random number
+    of trials, each ``steps`` Poisson-sampled Gaussian steps of rate
+    ``sampling_rate`` and, if given, a score released with
+    ``score_noise_multiplier``) costs at most ``target_epsilon`` at ``delta`` (RDP).
+
+    Use it when every candidate shares (q, steps): the trials then share one
+    mechanism, and ``accounting.training_event(σ, q, steps)`` is their ``trial_event``.
+    """
+    def search_event(sigma):
+        trial = accounting.training_event(sigma, sampling_rate, steps)
+        if score_noise_multiplier is not None:
+            trial = dp_accounting.ComposedDpEvent(
+                [trial, dp_accounting.GaussianDpEvent(float(score_noise_multiplier))])
+        return selection_event(trial, mean_trials, distribution, eta)
+
+    floor = dp_accounting.rdp.RdpAccountant()
+    if score_noise_multiplier is not None:
+        floor.compose(selection_event(dp_accounting.GaussianDpEvent(float(score_noise_multiplier)),
+                                      mean_trials, distribution, eta))
+        if floor.get_epsilon(delta) >= target_epsilon:
+            raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable: the scores "
+                             f"alone cost ε={floor.get_epsilon(delta):.3g}; raise "
+                             "score_noise_multiplier or the target")
+    return dp_accounting.calibrate_dp_mechanism(
+        dp_accounting.rdp.RdpAccountant, search_event, target_epsilon, delta,
+        dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-4)
+
+
 def noisy_accuracy(model, x, y, noise_multiplier, rng=None, batch_size=512):
     """``(correct + N(0, σ²)) / len(x)``: the accuracy of ``model`` on a private
     validation split, released with Gaussian noise on the count of correct

@@ -263,3 +263,15 @@ def test_search_on_digits_returns_a_model_whose_epsilon_includes_the_search(tmp_
     result.model.save(path)
     restored = keras.models.load_model(path)
     assert restored.privacy_spent()[0] == pytest.approx(eps, rel=1e-12)
+
+
+def test_calibrated_trial_noise_makes_the_whole_search_cost_the_target():
+    sigma = tuning.calibrate_trial_noise(3.0, 1e-5, 0.2, 100, mean_trials=4.0,
+                                         score_noise_multiplier=5.0)
+    def eps(s):
+        trial = dp_accounting.ComposedDpEvent(
+            [accounting.training_event(s, 0.2, 100), dp_accounting.GaussianDpEvent(5.0)])
+        return accounting.epsilon_of_events([tuning.selection_event(trial, 4.0)], 1e-5)
+    assert eps(sigma) <= 3.0 < eps(sigma * 0.999)
+    with pytest.raises(ValueError, match="unreachable"):
+        tuning.calibrate_trial_noise(0.1, 1e-5, 0.2, 100, 4.0, score_noise_multiplier=0.5)
