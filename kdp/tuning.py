@@ -27,6 +27,7 @@ import dp_accounting
 import numpy as np
 
 from kdp import accounting
+from kdp._quiet import quiet_dp_accounting
 from kdp.training.ledger import PrivacyLedger, event_mechanism, new_run_id
 from kdp.training.seeds import numpy_generator
 
@@ -144,6 +145,7 @@ def tnb_gamma(eta, mean):
     return 0.5 * (lo + hi)
 
 
+@quiet_dp_accounting()
 def calibrate_trial_noise(target_epsilon, delta, sampling_rate, steps, mean_trials,
                           distribution="geometric", eta=None, score_noise_multiplier=None):
     """The smallest training σ (to 1e-4) with which the whole search (a random number
