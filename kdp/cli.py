@@ -83,8 +83,8 @@ def build_parser():
                       help="bundled dataset (default: digits)")
     demo.add_argument("--method", choices=METHODS, default="auto",
                       help="clipless (Lipschitz layers, no per-example gradients), clipping "
-                           "(per-example clipping DP-SGD) or auto (the recipe's choice: "
-                           "Clipless from batch size 1024 on); default: auto")
+                           "(per-example clipping DP-SGD) or auto (the recipe's choice, "
+                           "kdp.recipes: Clipless); default: auto")
     demo.add_argument("--backend", choices=BACKENDS, default=None,
                       help="Keras backend (default: $KERAS_BACKEND, else tensorflow)")
     demo.add_argument("--epochs", type=_positive_int, default=None,

@@ -115,8 +115,8 @@ def test_demo_end_to_end(tmp_path):
     work = tmp_path / "work"
     (work / "kdp").mkdir(parents=True)
     (work / "kdp" / "README.md").write_text("a clone of the repository")
-    result = _run(["demo", "--epsilon", "2", "--epochs", "2", "--method", "clipless",
-                   "--backend", BACKEND, "--out", str(tmp_path)], OTHER, cwd=work)
+    result = _run(["demo", "--epsilon", "2", "--epochs", "2", "--backend", BACKEND,
+                   "--out", str(tmp_path)], OTHER, cwd=work)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "kdp demo report" in out and "test accuracy" in out and "certified accuracy" in out
@@ -272,10 +272,10 @@ def test_tensorboard_without_its_package_is_refused_before_any_step(tmp_path):
     assert model.privacy_ledger.training_steps() == 0  # Keras alone fails after a step was spent
 
 
-def test_the_default_method_follows_the_recipe_and_reports_no_certificate(tmp_path, capsys):
-    """digits (N = 1437): the recipe's batch size is 256 < 1024, so ``auto`` is
-    per-example clipping, which has no Lipschitz certificate to report."""
-    report = cli.main(["demo", "--epochs", "1", "--quiet", "--out", str(tmp_path)])
+def test_the_clipping_method_reports_no_certificate(tmp_path, capsys):
+    """Per-example clipping has no Lipschitz certificate to report."""
+    report = cli.main(["demo", "--method", "clipping", "--epochs", "1", "--quiet",
+                       "--out", str(tmp_path)])
     assert report == 0
     out = capsys.readouterr().out
     data = json.loads((tmp_path / "report_digits.json").read_text())

@@ -10,13 +10,17 @@ from kdp.training import budget
 
 def test_rules_follow_the_public_facts():
     digits = recipes.recipe((64,), 10, 1437, 3.0)
-    assert digits.batch_size == 256 and digits.delta == 1e-5 and digits.method == "clipping"
+    assert digits.batch_size == 256 and digits.delta == 1e-5 and digits.method == "clipless"
+    assert digits.width == 0 and digits.epochs == 30 and digits.input_bound == 1.0 / 8
+    assert digits.tau * digits.input_bound == 32.0 and digits.loss_clip == math.sqrt(2) / 50
+    assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0).input_bound == 1.0
     mnist = recipes.recipe((28, 28, 1), 10, 60000, 3.0)
-    assert mnist.batch_size == 2048 and mnist.delta == 1e-6 and mnist.method == "clipless"
-    assert recipes.recipe((64,), 10, 1437, 1.0).epochs == 50
-    assert recipes.recipe((64,), 10, 1437, 8.0).epochs == 20
-    assert recipes.recipe((64,), 10, 1437, 0.1).epochs == 60
-    assert recipes.recipe((64,), 10, 1437, 8.0, method="clipping").clipping_norm == 0.1
+    assert mnist.batch_size == 2048 and mnist.delta == 1e-6 and mnist.width == 512
+    clipping = dict(input_shape=(64,), nb_classes=10, nb_samples=1437, method="clipping")
+    assert recipes.recipe(target_epsilon=1.0, **clipping).epochs == 50
+    assert recipes.recipe(target_epsilon=8.0, **clipping).epochs == 20
+    assert recipes.recipe(target_epsilon=0.1, **clipping).epochs == 60
+    assert recipes.recipe(target_epsilon=8.0, **clipping).clipping_norm == 0.1
     small = recipes.recipe((30,), 2, 100, 3.0)
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
