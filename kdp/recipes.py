@@ -160,8 +160,9 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         delta: δ in ``(0, 1/N)``; default ``10^-(⌊log10 N⌋ + 2)``.
         method: ``"clipless"``, ``"clipping"`` or ``"auto"``.
         max_norm: a public bound on every input's L2 norm (the domain's, e.g.
-            ``√d`` for pixels in [0, 1]); Clipless clips inputs to it (to 1
-            without it). The model refuses inputs above it with clipping.
+            ``√d`` for pixels in [0, 1]); the model refuses inputs above it.
+            Clipless projects each centred input onto radius ``max_norm / 8``
+            (``1/8`` without it).
 
     Returns:
         A `Recipe`; ``recipe(...).build()`` gives the calibrated, compiled model
