@@ -36,7 +36,7 @@ def run(dataset, method, epsilon, seed):
     eps = model.privacy_spent()[0]
     assert eps <= epsilon * (1 + 1e-9), (eps, epsilon)
     acc = float(model.evaluate(x_test, y_test, verbose=0, batch_size=512)[1])
-    return acc, r, eps
+    return acc, r, model.dp_parameters.noise_multiplier
 
 
 def main():
@@ -57,8 +57,7 @@ def main():
                 start = time.time()
                 results = [run(dataset, method, epsilon, s) for s in range(args.seeds)]
                 accs = [a for a, _, _ in results]
-                r = results[0][1]
-                sigma = r.build().dp_parameters.noise_multiplier
+                r, sigma = results[0][1], results[0][2]
                 print(f"{dataset:>13} {r.method:>8} {epsilon:4g} {r.batch_size:5d} {r.epochs:3d} "
                       f"{sigma:7.3f} {np.mean(accs):8.4f} {np.std(accs):6.4f} "
                       f"{(time.time() - start) / args.seeds:6.1f}", flush=True)

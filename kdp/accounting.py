@@ -167,17 +167,17 @@ def _unit_rdp(event):
 
 @functools.lru_cache(maxsize=256)
 def _unit_rdp_cached(event):
-    acc = dp_accounting.rdp.RdpAccountant()
-    acc.compose(event)
-    rdp = np.array(acc._rdp, dtype=float)
-    rdp.setflags(write=False)
-    return rdp
+    return _compute_unit_rdp(event)
 
 
 @functools.lru_cache(maxsize=64)
 def _unit_rdp_of_config(config_json):
+    return _compute_unit_rdp(event_from_config(json.loads(config_json)))
+
+
+def _compute_unit_rdp(event):
     acc = dp_accounting.rdp.RdpAccountant()
-    acc.compose(event_from_config(json.loads(config_json)))
+    acc.compose(event)
     rdp = np.array(acc._rdp, dtype=float)
     rdp.setflags(write=False)
     return rdp

@@ -158,19 +158,17 @@ def calibrate_trial_noise(target_epsilon, delta, sampling_rate, steps, mean_tria
     """
     def search_event(sigma):
         trial = accounting.training_event(sigma, sampling_rate, steps)
-        if score_noise_multiplier is not None:
-            trial = dp_accounting.ComposedDpEvent(
-                [trial, dp_accounting.GaussianDpEvent(float(score_noise_multiplier))])
-        return selection_event(trial, mean_trials, distribution, eta)
+        return selection_event(_with_score(trial, score_noise_multiplier), mean_trials,
+                               distribution, eta)
 
-    floor = dp_accounting.rdp.RdpAccountant()
     if score_noise_multiplier is not None:
-        floor.compose(selection_event(dp_accounting.GaussianDpEvent(float(score_noise_multiplier)),
-                                      mean_trials, distribution, eta))
-        if floor.get_epsilon(delta) >= target_epsilon:
+        scores = selection_event(dp_accounting.GaussianDpEvent(float(score_noise_multiplier)),
+                                 mean_trials, distribution, eta)
+        floor = accounting.epsilon_of_events([scores], delta)
+        if floor >= target_epsilon:
             raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable: the scores "
-                             f"alone cost ε={floor.get_epsilon(delta):.3g}; raise "
-                             "score_noise_multiplier or the target")
+                             f"alone cost ε={floor:.3g}; raise score_noise_multiplier or "
+                             "the target")
     return dp_accounting.calibrate_dp_mechanism(
         dp_accounting.rdp.RdpAccountant, search_event, target_epsilon, delta,
         dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-4)
@@ -247,10 +245,8 @@ def private_search(train_trial, candidates, trial_event, *, mean_trials,
     if public_score is not None and score_noise_multiplier is not None:
         raise ValueError("score_noise_multiplier applies to validation_data only")
     prior = prior_ledger if prior_ledger is not None else PrivacyLedger()
-    per_trial = trial_event
-    if validation_data is not None:
-        per_trial = dp_accounting.ComposedDpEvent(
-            [trial_event, dp_accounting.GaussianDpEvent(float(score_noise_multiplier))])
+    per_trial = _with_score(trial_event,
+                            score_noise_multiplier if validation_data is not None else None)
     event = selection_event(per_trial, mean_trials, distribution, eta)
     bound = accounting.rdp_curve([trial_event])
     rng = numpy_generator() if rng is None else rng
@@ -266,11 +262,11 @@ def private_search(train_trial, candidates, trial_event, *, mean_trials,
         ran = ran.merge(ledger)
         curve = accounting.rdp_curve(ledger.events())
         if np.any(curve > bound * (1 + _RDP_SLACK) + 1e-12):
-            order = accounting.RDP_ORDERS[int(np.argmax(curve - bound))]
+            worst = int(np.argmax(curve - bound))
             raise TrialBudgetError(
                 f"a trial (candidate {candidate!r}) spent more than the declared trial_event "
-                f"(RDP at order {order:g}: {curve[np.argmax(curve - bound)]:.4g} > "
-                f"{bound[np.argmax(curve - bound)]:.4g}), so the search's theorem does not "
+                f"(RDP at order {accounting.RDP_ORDERS[worst]:g}: {curve[worst]:.4g} > "
+                f"{bound[worst]:.4g}), so the search's theorem does not "
                 "apply. error.ledger composes every trial run so far with the prior ledger "
                 "(the honest account). Declare a trial_event that bounds every candidate.",
                 prior.merge(ran))
@@ -288,6 +284,15 @@ def private_search(train_trial, candidates, trial_event, *, mean_trials,
     score, candidate, model = best
     model.privacy_ledger = ledger
     return SearchResult(model, score, candidate, ledger, event, trials)
+
+
+def _with_score(trial_event, score_noise_multiplier):
+    """One trial's event: its training, composed with the Gaussian release of its
+    score when the score is private (``score_noise_multiplier`` not None)."""
+    if score_noise_multiplier is None:
+        return trial_event
+    return dp_accounting.ComposedDpEvent(
+        [trial_event, dp_accounting.GaussianDpEvent(float(score_noise_multiplier))])
 
 
 def _check_mean(mean_trials):
