@@ -25,6 +25,15 @@ answers the two questions whose answer depends on the engine.
 Sampling is unchanged: Poisson sampling at the global rate ``q = b/N`` makes
 the global batch, padded to a static size divisible by `num_replicas`, and the
 engine shards it.
+
+**Several processes** (`process_layout` > 1: JAX after
+``keras.distribution.initialize``/``jax.distributed.initialize``, TensorFlow
+under `tf.distribute.MultiWorkerMirroredStrategy`) train on the same engines;
+each process holds a shard of the records and samples it at the global rate
+(`kdp.training.processes`). The facts that depend on the engine are here:
+how many processes and which one this is (`process_layout`), how they exchange
+a small array (`allgather`), and the two Keras 3 gaps of
+`MultiWorkerMirroredStrategy` (`first_local_batch`, `logs_for_reduction`).
 """
 
 import keras
@@ -98,15 +107,118 @@ def replica_values(variable):
     import numpy as np
 
     value = getattr(variable, "value", variable)
-    if keras.backend.backend() == "jax" and hasattr(value, "addressable_shards"):
-        return [np.asarray(shard.data) for shard in value.addressable_shards]
+    if keras.backend.backend() == "jax" and hasattr(value, "addressable_data"):
+        # (`addressable_shards` fails on some arrays of a multi-process run)
+        return [np.asarray(value.addressable_data(i))
+                for i in range(len(value.sharding.addressable_devices))]
     components = getattr(value, "values", None)
     if components is not None and not callable(components):
         return [np.asarray(c) for c in components]
     return [np.asarray(value)]
 
 
+def process_layout(model=None):
+    """``(count, index)``: how many processes train ``model`` together, and this one's rank.
 
+    JAX: `jax.process_count` / `jax.process_index` once ``jax.distributed`` is
+    initialized (``(1, 0)`` before: asking JAX would start its backend and
+    forbid a later ``initialize``). TensorFlow: the workers of the model's
+    `MultiWorkerMirroredStrategy` (replicas over local devices) and the rank of
+    this worker's first replica. ``(1, 0)`` everywhere else.
+    """
+    count = process_count(model)
+    if count == 1:
+        return 1, 0
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return count, int(jax.process_index())
+    strategy = _tf_multi_worker_strategy(model)
+    first = strategy.experimental_distribute_values_from_function(
+        lambda context: context.replica_id_in_sync_group)
+    rank = int(strategy.experimental_local_results(first)[0])
+    return count, rank // len(strategy.extended.worker_devices)
+
+
+def process_count(model=None):
+    """The number of processes in `process_layout` (cheap: no rank lookup)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return int(jax.process_count()) if jax.distributed.is_initialized() else 1
+    if backend == "tensorflow":
+        strategy = _tf_multi_worker_strategy(model)
+        if strategy is not None:
+            return strategy.num_replicas_in_sync // len(strategy.extended.worker_devices)
+    return 1
+
+
+def local_replicas(model=None):
+    """The data-parallel replicas of ``model`` on this process's devices."""
+    count, _ = process_layout(model)
+    return num_replicas(model) // count
+
+
+def allgather(model, array):
+    """Every process's ``array`` (same shape and dtype on all), stacked: shape ``(P, ...)``.
+
+    A collective: every process of the run must call it, in the same order.
+    JAX: `jax.experimental.multihost_utils.process_allgather`. TensorFlow: the
+    strategy's ``gather`` of one value per replica (one replica per worker).
+    """
+    import numpy as np
+
+    array = np.asarray(array)
+    if keras.backend.backend() == "jax":
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array))
+    import tensorflow as tf
+
+    strategy = _tf_multi_worker_strategy(model)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(array[None]))
+    return np.asarray(strategy.gather(values, axis=0))
+
+
+def _tf_multi_worker_strategy(model):
+    """The model's `MultiWorkerMirroredStrategy` if it spans several workers, else None."""
+    import tensorflow as tf
+
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    if strategy.num_replicas_in_sync == len(strategy.extended.worker_devices):
+        return None  # one worker: the single-host case
+    return strategy
+
+
+def first_local_batch(model, batch):
+    """A distributed batch as one plain batch, for Keras' symbolic build only.
+
+    Keras 3 builds a model under a strategy from the first batch reduced with
+    ``strategy.reduce("MEAN")``, which fails on a nested per-replica batch under
+    `MultiWorkerMirroredStrategy`: the first local replica's batch has the
+    right structure and shapes."""
+    from keras import tree
+
+    strategy = model.distribute_strategy
+    return tree.map_structure(lambda v: strategy.experimental_local_results(v)[0], batch)
+
+
+def logs_for_reduction(model, logs):
+    """The step's logs in a shape Keras 3 can reduce over several workers.
+
+    Under `MultiWorkerMirroredStrategy` Keras reduces each log with
+    ``strategy.reduce("MEAN", v, axis=0)``, which refuses a scalar: each
+    scalar becomes a vector of one element (reduced back to the mean over the
+    replicas). Unchanged everywhere else."""
+    if keras.backend.backend() != "tensorflow" or _tf_multi_worker_strategy(model) is None:
+        return logs
+    from keras import ops
+
+    return {k: ops.reshape(v, (1,)) if len(ops.shape(v)) == 0 else v for k, v in logs.items()}
 
 
 def sharded_train_on_batch(model, x, y=None, sample_weight=None, return_dict=False):
@@ -153,4 +265,5 @@ def sharded_train_on_batch(model, x, y=None, sample_weight=None, return_dict=Fal
     logs = pythonify_logs(model.train_function(iter([data])))
     return logs if return_dict else model._flatten_metrics_in_order(logs)
 
-__all__ = ["noise_share", "num_replicas", "replica_values", "sharded_train_on_batch"]
+__all__ = ["allgather", "local_replicas", "noise_share", "num_replicas", "process_count",
+           "process_layout", "replica_values", "sharded_train_on_batch"]

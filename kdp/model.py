@@ -13,6 +13,7 @@
   break a bound.
 """
 
+import contextlib
 import importlib.util
 import os
 import warnings
@@ -29,6 +30,7 @@ from kdp.training import budget, objective, saving, seeds, statement
 from kdp.training.config import NOISIFY_STRATEGIES, DPParameters  # noqa: F401 (public names)
 from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import LedgerJournal, PrivacyLedger
+from kdp.training.processes import DistributedTrainingError, ProcessGroup
 from kdp.training.sampling import fit_batches
 from kdp.training.validation import output_width, probe_loss, validate_batch, validate_stream
 
@@ -49,11 +51,17 @@ class _GateCallback(keras.callbacks.Callback):
     (checkpoints, accountants) see a ledger that covers the step they observe.
     It reads ``self._model``, not ``self.model`` (whose JAX state sync would cost
     three copies of the weights per step).
+
+    On several processes (``processes``, a `ProcessGroup`) it checks that their
+    ledgers and budgets agree at the first step (every callback's budget is then
+    in force) and at every epoch's end, so that they stop together.
     """
 
-    def __init__(self, mechanism):
+    def __init__(self, mechanism, processes=None):
         super().__init__()
         self.mechanism = mechanism
+        self.processes = processes
+        self._verified = processes is None
 
     def _block(self):
         return max(1, int(getattr(self._model, "steps_per_execution", 1) or 1))
@@ -63,6 +71,9 @@ class _GateCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        if not self._verified:
+            self.processes.verify()
+            self._verified = True
         self._recorded += self._block()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -82,6 +93,8 @@ class _GateCallback(keras.callbacks.Callback):
         return self._epoch + 1 == params.get("epochs") and done == params.get("steps")
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.processes is not None:
+            self.processes.verify()
         # First in fit's list: every later callback (History, TensorBoard,
         # checkpoints, the user's) sees ε and δ, with or without DP_Accountant.
         if logs is not None:
@@ -134,7 +147,8 @@ class DPModelMixin:
     def _reseed_noise(self):
         """A fresh noise state from the OS entropy (unless ``reproducible``), at
         every `fit` and load: the state is never saved, and a restarted or
-        resumed run must not replay (nor let anyone predict) noise."""
+        resumed run must not replay (nor let anyone predict) noise. (Several JAX
+        processes share process 0's draw: `seeds.shared_os_seed`.)"""
         if self.dp_parameters is not None and not self.dp_parameters.reproducible:
             seeds.reseed(self._noise_seed)
 
@@ -255,6 +269,21 @@ class DPModelMixin:
         super().compile(*args, **kwargs)
         self._set_cotangent_scale()
 
+    def train_step(self, *args):
+        """Keras' step (the objective is `compute_loss`); its logs reshaped where
+        Keras 3 could not reduce them over several TensorFlow workers."""
+        return distribute.logs_for_reduction(self, super().train_step(*args))
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # TensorFlow only: Keras 3 fails to reduce a nested per-replica batch over
+        # several workers (kdp.distribute.first_local_batch).
+        if iterator is not None and distribute.process_count(self) > 1:
+            for _, _, batches in iterator:
+                data_batch = distribute.first_local_batch(self, next(batches))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
     def make_train_function(self, force=False):
         """Keras' compiled step, wrapped by the privacy gate, and rebuilt whenever
         the calibration it baked in changed.
@@ -351,6 +380,13 @@ class DPModelMixin:
         per batch (``b`` the expected batch size; the noise term's value is 0):
         an unbiased estimate of the mean training loss, not the batch mean.
         Metrics and ``val_*`` are Keras' own (padding rows have weight 0).
+
+        On several processes (JAX after ``keras.distribution.initialize`` with a
+        `keras.distribution.DataParallel`; TensorFlow under
+        `MultiWorkerMirroredStrategy`), every process calls `fit` with its own
+        disjoint shard of the records (arrays; the shards sum to
+        ``nb_samples_train``): see `kdp.training.processes`. Process 0 writes the
+        journal; a failed step raises `DistributedTrainingError`.
         """
         self._check_dp_once()
         self._set_cotangent_scale()
@@ -365,7 +401,16 @@ class DPModelMixin:
             raise ValueError(
                 f"batch_size={batch_size} differs from dataset_metadata.batch_size={md.batch_size}"
             )
-        if _is_arrays(x):
+        callbacks = list(callbacks or [])
+        journal = _journal_for(callbacks)
+        processes = ProcessGroup.of(self)
+        if processes is not None:
+            x = self._join_processes(processes, x, y, sample_weight, class_weight, journal, kwargs)
+            x, steps_per_epoch = fit_batches(*x, md.batch_size, params, steps_per_epoch,
+                                             replicas=distribute.local_replicas(self),
+                                             processes=processes)
+            y = sample_weight = None
+        elif _is_arrays(x):
             x, y, weights = self._check_arrays(x, y, sample_weight, class_weight)
             x, steps_per_epoch = fit_batches(
                 x, y, weights, md.batch_size, params, steps_per_epoch,
@@ -384,31 +429,63 @@ class DPModelMixin:
         # Each batch is already a fresh draw (or the stream's own order); Keras'
         # shuffle would reorder, and for shuffled passes interleave, them.
         kwargs["shuffle"] = False
-        callbacks = list(callbacks or [])
         _check_tensorboard(callbacks)
         gate, mechanism = self.privacy_gate, budget.fit_mechanism(spec)
-        journal = _journal_for(callbacks)
-        if journal is not None:  # recover the steps of a run that was killed
+        if journal is not None and processes is None:  # recover the steps of a run that was killed
             self.merge_ledger(journal.read())
         gate.check(mechanism, 1)  # a clear error now if the budget is already spent
         self.project_weights()
         self._reseed_noise()
-        gate.journal, self._budget_stop = journal, False
+        self._budget_stop = False
+        gate.journal = journal if processes is None or processes.index == 0 else None
         _set_step_plan(self, (mechanism, _block(self)))
-        gate.start_run()
+        if processes is None:
+            gate.start_run()
+        else:  # one run, named by process 0, in every process's ledger
+            gate.run, gate.processes = processes.run, processes
         try:
-            callbacks = [_GateCallback(mechanism)] + callbacks
+            callbacks = [_GateCallback(mechanism, processes)] + callbacks
             if not any(isinstance(cb, keras.callbacks.ProgbarLogger) for cb in callbacks):
                 callbacks.append(_ProgbarLogger())  # where Keras would put its own
-            history = super().fit(x, y, epochs=epochs, callbacks=callbacks,
-                                  sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
-                                  **kwargs)
+            with _sharded_input(processes):
+                history = super().fit(x, y, epochs=epochs, callbacks=callbacks,
+                                      sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
+                                      **kwargs)
+            if processes is not None:
+                processes.verify()
             if self._budget_stop:
                 warnings.warn(_budget_stop_message(self), stacklevel=2)
             return history
+        except Exception as e:
+            if processes is None or isinstance(e, (DistributedTrainingError, NotImplementedError)):
+                raise
+            raise processes.failure(e, journal) from e
         finally:
-            gate.journal = None
+            gate.journal = gate.processes = None
             _set_step_plan(self, None)
+
+    def _join_processes(self, processes, x, y, sample_weight, class_weight, journal, kwargs):
+        """`fit`'s checks on one of several processes: usage errors raised here
+        (the same on every process), then this shard's validation and the
+        handshake (`ProcessGroup.join`: every process raises, or none).
+        Returns ``(x, y, weights)`` of the validated shard."""
+        if not _is_arrays(x):
+            raise ValueError("on several processes, fit takes each process's shard of the records "
+                             "as arrays (Poisson sampling at the global rate b/N)")
+        if kwargs.get("validation_data") is not None:
+            raise ValueError("validation_data is not supported on several processes: evaluate "
+                             "after training (a model's evaluation is not private anyway)")
+        _check_engine(self, processes)
+        error, shard = None, None
+        try:
+            shard = validate_batch(self, x, y, sample_weight, class_weight)
+            probe_loss(self, shard[0], shard[1])
+        except Exception as e:  # noqa: BLE001 (reported by every process, so all raise together)
+            error = f"{type(e).__name__}: {e}"
+        if journal is not None:  # recover the steps of a run that was killed
+            self.merge_ledger(journal.read())
+        processes.join(0 if shard is None else len(shard[1]), error)
+        return shard
 
     def _check_arrays(self, x, y, sample_weight, class_weight):
         n = self.dataset_metadata.nb_samples_train
@@ -426,7 +503,11 @@ class DPModelMixin:
         weights projected, and the step recorded before it runs as one Gaussian
         mechanism **without** sampling amplification (kdp did not sample the
         batch; use `fit` for Poisson sampling). Under `tf.distribute` the batch
-        is sharded over the replicas (`kdp.distribute.sharded_train_on_batch`)."""
+        is sharded over the replicas (`kdp.distribute.sharded_train_on_batch`).
+        Refused on several processes (use `fit`)."""
+        if distribute.process_count(self) > 1:
+            raise ValueError(f"{self.name}: train_on_batch is not supported on several processes "
+                             "(each would account its own batch): call fit on every process")
         x, y, weights = validate_batch(self, x, y, sample_weight, class_weight)
         mechanism = budget.batch_mechanism(self.privacy_spec())
         self.privacy_gate.check(mechanism, 1)  # refused: nothing changes, not even the weights
@@ -453,6 +534,40 @@ def _set_step_plan(model, plan):
     """``(mechanism, count)`` spent by each call of the gated train function
     (set outside Keras' attribute tracking, which would wrap the dict)."""
     object.__setattr__(model, "_step_plan", plan)
+
+
+def _check_engine(model, processes):
+    """Refuse an engine configuration under which the processes would not train
+    one model on one global batch."""
+    if keras.backend.backend() == "jax":
+        distribution = keras.distribution.distribution()
+        replicas = distribute.num_replicas(model)
+        if distribution is None or replicas % processes.count:
+            raise ValueError(
+                f"{model.name}: {processes.count} JAX processes need a distribution whose batch "
+                "axis spans them all: call keras.distribution.set_distribution("
+                "keras.distribution.DataParallel()) on every process before building the model")
+    elif distribute.local_replicas(model) != 1:
+        raise NotImplementedError(
+            f"{model.name}: MultiWorkerMirroredStrategy with {distribute.local_replicas(model)} "
+            "devices per worker is not supported: run one worker process per device")
+
+
+@contextlib.contextmanager
+def _sharded_input(processes):
+    """JAX: each process already passes its own shard, so Keras' distribution
+    must not shard the input again (``auto_shard_dataset`` off during `fit`)."""
+    distribution = (keras.distribution.distribution()
+                    if processes is not None and keras.backend.backend() == "jax" else None)
+    if distribution is None:
+        yield
+        return
+    before = distribution.auto_shard_dataset
+    distribution.auto_shard_dataset = False
+    try:
+        yield
+    finally:
+        distribution.auto_shard_dataset = before
 
 
 def _steps_not_run(error, count):

@@ -12,7 +12,10 @@ through `PrivacyGate.spend`, which
    process killed at any instant has every release it made on file;
 3. keeps the gate open while it runs: the noisy objective of a DP model refuses
    to be built anywhere else (`require_open`);
-4. takes the release back only when the caller proves that it did not run.
+4. takes the release back only when the caller proves that it did not run
+   (never on several processes: another process may have run it);
+5. refuses any release on one of several processes (`kdp.distribute.process_count`)
+   outside a multi-process `fit`, which samples, noises and accounts them together.
 
 Budgets use the RDP accountant of `kdp.accounting` unless a budget names PLD.
 """
@@ -21,7 +24,7 @@ import contextlib
 import json
 import math
 
-from kdp import accounting
+from kdp import accounting, distribute
 from kdp.training.ledger import PrivacyLedger, mechanism_event, new_run_id
 
 
@@ -49,6 +52,7 @@ class PrivacyGate:
         self.epsilon_max = epsilon_max
         self.name = name
         self.journal = None
+        self.processes = None  # the ProcessGroup of a multi-process fit, while it runs
         self.run = None
         self.plans = {}
         self._budgets = {}
@@ -142,6 +146,11 @@ class PrivacyGate:
             refund: optional ``() -> int``, called if the block raises: the number
                 of recorded releases that provably did not run (taken back).
         """
+        if self.processes is None and distribute.process_count() > 1:
+            raise PrivacyGateError(
+                f"{self.name}: this release would run on one of several processes outside a "
+                "multi-process DP model's fit, the only path on which kdp samples, noises and "
+                "accounts the processes together; nothing was run")
         self.check(mechanism, count)
         if self.run is None:
             self.start_run()
@@ -150,7 +159,8 @@ class PrivacyGate:
         try:
             yield
         except BaseException:
-            if refund is not None:
+            # A failed multi-process step may have run on the other processes: kept.
+            if refund is not None and self.processes is None:
                 self.settle(min(count, max(0, int(refund()))))
             raise
         finally:

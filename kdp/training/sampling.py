@@ -96,22 +96,38 @@ class PoissonBatches(keras.utils.PyDataset):
             that is prepared but never trained on releases nothing. With more
             than one worker the order of the draws depends on the threads, so
             a seeded sampling is only reproducible with ``workers=1``.
+        population: ``N``, the records of the whole dataset when ``x`` is one
+            process's shard of it (default ``len(x)``): the sampling rate is
+            ``b/N`` and an epoch ``⌈N/b⌉`` steps.
+        reference_rows: the shard size the padded sizes are computed for (the
+            largest shard, so that every process has the same sizes; default
+            ``len(x)``).
+        agree: ``records -> records``, called with each draw's size on every
+            process: the size to pad to (the largest over the processes, so
+            that they share one shape; `kdp.training.processes`). Needs
+            ``workers=1`` (the processes must call it in the same order).
     """
 
     def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None,
-                 multiple_of=1, shapes=1, workers=1):
+                 multiple_of=1, shapes=1, workers=1, population=None, reference_rows=None,
+                 agree=None):
+        if agree is not None and workers != 1:
+            raise ValueError("agree= needs workers=1: every process must agree on its draws in order")
         super().__init__(workers=workers, use_multiprocessing=False)
         self.x, self.y = x, y
         self.nb_samples = len(x)
-        self.sampling_rate = batch_size / self.nb_samples
-        self.shapes = poisson_batch_shapes(batch_size, self.nb_samples, shapes, multiple_of)
+        population = population or self.nb_samples
+        reference = reference_rows or self.nb_samples
+        self.sampling_rate = batch_size / population
+        self.shapes = poisson_batch_shapes(self.sampling_rate * reference, reference, shapes, multiple_of)
         self.sample_weight = (
             np.ones(self.nb_samples, dtype="float32") if sample_weight is None
             else np.asarray(sample_weight, dtype="float32")
         )
-        self.steps = steps_per_epoch or math.ceil(self.nb_samples / batch_size)
+        self.steps = steps_per_epoch or math.ceil(population / batch_size)
         self.rng = numpy_generator(seed is not None, seed)
         self._rng_lock = threading.Lock()
+        self._agree = agree
 
     @property
     def capacity(self):
@@ -136,7 +152,7 @@ class PoissonBatches(keras.utils.PyDataset):
 
     def __getitem__(self, index):
         idx = self.sample_indices()
-        size = self.padded_size(len(idx))
+        size = self.padded_size(len(idx) if self._agree is None else self._agree(len(idx)))
         return (_pad(self.x, idx, size), _pad(self.y, idx, size), _pad(self.sample_weight, idx, size))
 
     def as_tf_dataset(self):
@@ -213,6 +229,23 @@ class ShuffledBatches(keras.utils.PyDataset):
         return self.x[idx], self.y[idx], self.sample_weight[idx]
 
 
+def _process_batches(x, y, weights, batch_size, params, steps_per_epoch, replicas, processes, seed):
+    """`fit_batches` for one process of several (Poisson sampling only)."""
+    if params.sampling != "poisson":
+        raise ValueError("training on several processes needs Poisson sampling (sampling='poisson')")
+    if seed is not None:  # the same seed on every process would draw correlated shards
+        seed = seed + 7919 * processes.index
+    jax = keras.backend.backend() == "jax"
+    batches = PoissonBatches(
+        x, y, batch_size, weights, steps_per_epoch, seed=seed, multiple_of=replicas,
+        shapes=params.batch_shapes, population=processes.model.dataset_metadata.nb_samples_train,
+        reference_rows=max(processes.rows), agree=processes.agree_rows if jax else None)
+    if jax:
+        return batches, len(batches)
+    strategy = processes.model.distribute_strategy
+    return strategy.distribute_datasets_from_function(lambda context: batches.as_tf_dataset()), len(batches)
+
+
 def _pad(array, idx, size):
     """``array[idx]`` followed by zero rows up to ``size`` rows (one gather, no temporary)."""
     out = np.empty((size,) + array.shape[1:], dtype=array.dtype)
@@ -221,7 +254,8 @@ def _pad(array, idx, size):
     return out
 
 
-def fit_batches(x, y, weights, batch_size, params, steps_per_epoch=None, replicas=1):
+def fit_batches(x, y, weights, batch_size, params, steps_per_epoch=None, replicas=1,
+                processes=None):
     """``(data, steps_per_epoch)`` for Keras' `fit` on validated arrays.
 
     Poisson sampling (``params.sampling == "poisson"``): `PoissonBatches` padded to
@@ -241,8 +275,18 @@ def fit_batches(x, y, weights, batch_size, params, steps_per_epoch=None, replica
         params: the model's `DPParameters` (sampling, batch shapes, seed).
         steps_per_epoch: Keras' argument (default: one pass).
         replicas: data-parallel replicas sharing each global batch.
+        processes: the `kdp.training.processes.ProcessGroup` when several
+            processes train together: ``x`` is this process's shard, sampled at
+            the global rate ``b/N``; ``replicas`` counts this process's replicas.
+            JAX: the processes agree on one padded size per step. TensorFlow:
+            each worker feeds its own batches to its replica
+            (``distribute_datasets_from_function``; the replicas' shapes may
+            differ, only gradients are reduced).
     """
     seed = params.draw_seed(offset=1) if params.reproducible else None
+    if processes is not None:
+        return _process_batches(x, y, weights, batch_size, params, steps_per_epoch, replicas,
+                                processes, seed)
     if params.sampling == "shuffle":
         if batch_size % replicas:
             raise ValueError(f"shuffled batches of b={batch_size} records cannot be split "

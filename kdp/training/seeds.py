@@ -21,6 +21,20 @@ def os_seed(bits=SEED_BITS):
     return int.from_bytes(os.urandom((bits + 7) // 8), "little") >> (-bits % 8)
 
 
+def shared_os_seed(bits=SEED_BITS):
+    """`os_seed` of process 0, on every process that trains with JAX's
+    multi-process runtime (a collective: every process calls it in the same
+    order); `os_seed` everywhere else. A replicated JAX state must hold the
+    same value on every process (JAX refuses it otherwise)."""
+    from kdp import distribute
+
+    if keras.backend.backend() != "jax" or distribute.process_count() == 1:
+        return os_seed(bits)
+    words = [(os_seed(bits) >> (32 * i)) & 0xFFFFFFFF for i in range(-(-bits // 32))]
+    first = distribute.allgather(None, np.array(words, dtype="uint32"))[0]
+    return sum(int(w) << (32 * i) for i, w in enumerate(first))
+
+
 def draw_seed(reproducible, seed, offset=0):
     """``seed + offset`` if ``reproducible`` (tests only), else 64 bits of OS entropy."""
     if reproducible:
@@ -56,7 +70,7 @@ def reseed(generator):
     state = generator.state
     dtype = keras.backend.standardize_dtype(state.dtype)
     modulus = 2**32 if dtype == "uint32" else 2**31 - 2
-    entropy = os_seed(2 * SEED_BITS)  # one read: each word from its own 64 bits
+    entropy = shared_os_seed(2 * SEED_BITS)  # one read: each word from its own 64 bits
     words = [((entropy >> (SEED_BITS * i)) & (2**SEED_BITS - 1)) % modulus for i in range(2)]
     state.assign(np.array(words, dtype=dtype))
     return generator

@@ -1,0 +1,388 @@
+"""Several processes training one model on localhost (issue 21).
+
+JAX: ``keras.distribution.initialize`` (CPU collectives over Gloo) and
+`keras.distribution.DataParallel`; TensorFlow: `MultiWorkerMirroredStrategy`
+with a ``TF_CONFIG`` naming 127.0.0.1 ports. This file, run as a script with
+``--worker``, is one process; each test starts 2 or 4 of them and reads the
+JSON each one writes. Only the current ``KERAS_BACKEND``'s engine is run.
+
+Each process holds its own, uneven shard of N = 256 records. Measured, through
+the real `fit` path:
+
+* the processes end with identical weights, ledgers and ε, and ε equals a
+  single-process run of the same plan (same model, steps, N, b);
+* noise: every sample weight 0 and SGD(1) with the projections detached, so a
+  step moves each variable by minus the noise: its std is the single-process
+  calibration ``σ c_v Δ_v / b`` within 3 %;
+* sampling: the processes' draws add up to Poisson batches of mean b (the
+  global rate b/N on every shard);
+* negative controls, run by the same processes and caught by the same checks:
+  a per-process sampling rate (``b/n_p``: P times the records); on TensorFlow
+  every worker's noise kept (std × √P); on JAX unshared noise seeds (the
+  processes' "replicated" state differs: refused by JAX or diverging weights);
+* a process killed mid-training: the survivors stop with
+  `DistributedTrainingError`, and process 0's journal holds at least every
+  step any process completed (also when the dead process is process 0, which
+  writes the journal).
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+D_IN, X0, B_NORM, SIGMA, NM_COEF = 24, 2.0, 0.5, 1.5, 2.5
+N, BATCH = 256, 32
+SQRT2 = math.sqrt(2.0)
+STEPS = 120          # 96 × 120 bias draws: relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
+CONTROL_STEPS = 30
+KILL_AT = 5          # the doomed process dies after this many completed steps
+
+
+def expected_stds():
+    """By hand: Δ_W1 = X0·L, Δ_bias = L, Δ_W2 = (X0 + B)·L, std = σ c Δ / b (per-layer)."""
+    deltas = [X0 * SQRT2, SQRT2, (X0 + B_NORM) * SQRT2]
+    return [SIGMA * c * d / BATCH for c, d in zip([NM_COEF, 1.0, 1.0], deltas)]
+
+
+def shard_bounds(processes):
+    """Uneven shards: process p holds a share proportional to p + 2 (each above b,
+    so that the control's per-process rate b/n_p stays a probability)."""
+    shares = [p + 2 for p in range(processes)]
+    cuts = np.cumsum([0] + shares) / sum(shares)
+    return [int(round(c * N)) for c in cuts]
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, D_IN)).astype("float32"), rng.integers(0, 8, N)
+
+
+def build(seed=None, lr=1.0):
+    import keras
+
+    from kdp import layers, losses
+    from kdp.model import DP_Sequential, DPParameters
+    from kdp.pipeline import DatasetMetadata
+
+    params = DPParameters("per-layer", SIGMA, 1e-3, reproducible=seed is not None, seed=seed)
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((D_IN,), X0), layers.DP_QuickSpectralDense(96, nm_coef=NM_COEF),
+         layers.DP_AddBias(B_NORM), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(8)],
+        dp_parameters=params, dataset_metadata=DatasetMetadata((D_IN,), 8, N, BATCH))
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss=losses.DP_TauCategoricalCrossentropy(2.0))
+    return model
+
+
+# --- one process (this file run with --worker) -----------------------------------------
+
+
+def _worker():
+    rank, count = int(os.environ["KDP_RANK"]), int(os.environ["KDP_PROCESSES"])
+    scenario, out = os.environ["KDP_SCENARIO"], os.environ["KDP_OUT"]
+    backend = os.environ["KERAS_BACKEND"]
+    if backend == "jax":
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        import keras
+
+        keras.distribution.initialize(f"127.0.0.1:{os.environ['KDP_PORT']}", count, rank)
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+        scope = _null
+    else:
+        import keras
+        import tensorflow as tf
+
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        scope = strategy.scope
+
+    import kdp
+    import kdp.training.sampling
+    import kdp.training.seeds
+    from kdp.training.processes import DistributedTrainingError
+
+    x, y = data()
+    bounds = shard_bounds(count)
+    x, y = x[bounds[rank]:bounds[rank + 1]], y[bounds[rank]:bounds[rank + 1]]
+    draws = []  # (records, padded rows, rate) of every draw of this process
+
+    class RecordingBatches(kdp.training.sampling.PoissonBatches):
+        def sample_indices(self):
+            self._idx = super().sample_indices()
+            return self._idx
+
+        def __getitem__(self, index):
+            bx, by, bw = super().__getitem__(index)
+            draws.append((len(self._idx), len(bw), self.sampling_rate))
+            return bx, by, bw
+
+    kdp.training.sampling.PoissonBatches = RecordingBatches
+
+    class Snapshots(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.snaps = []
+
+        def on_train_begin(self, logs=None):
+            self.snaps.append(self._weights())
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.snaps.append(self._weights())
+
+        def _weights(self):
+            return [np.array(kdp.distribute.replica_values(v)[0]) for v in self.model.trainable_variables]
+
+    def noise_run(steps):
+        with scope():
+            model = build()
+            for v in model.trainable_variables:
+                v.constraint = None  # the update is then exactly −noise
+        snap = Snapshots()
+        draws.clear()
+        model.fit(x, y, sample_weight=np.zeros(len(y)), epochs=1, steps_per_epoch=steps, verbose=0,
+                  callbacks=[snap])
+        s = snap.snaps
+        rms = [float(np.sqrt(np.mean(np.stack([s[t][i] - s[t + 1][i] for t in range(steps)]) ** 2,
+                                     dtype="float64"))) for i in range(len(s[0]))]
+        records, rows, rates = zip(*draws[-steps:])
+        return {"rms": rms, "epsilon": model.privacy_spent()[0],
+                "steps": model.privacy_ledger.training_steps(),
+                "ledger": model.privacy_ledger.to_json(),
+                "weights": [w.ravel().tolist() for w in s[-1]],
+                "mean_records": float(np.mean(records)), "rows": sorted(set(rows)), "rate": rates[0],
+                "stds": list(model.noise_stds().values())}
+
+    result = {"rank": rank, "rows": len(y)}
+    if scenario == "train":
+        result["noise"] = noise_run(STEPS)
+        # negative control: each process samples its shard at its own rate b/n_p
+        patched = kdp.training.sampling.PoissonBatches
+
+        class OwnRate(patched):
+            def __init__(self, *args, population=None, **kwargs):
+                super().__init__(*args, **kwargs)
+
+        kdp.training.sampling.PoissonBatches = OwnRate
+        result["control_own_rate"] = noise_run(CONTROL_STEPS)
+        kdp.training.sampling.PoissonBatches = patched
+        if backend == "tensorflow":  # negative control: every worker's noise kept
+            share = kdp.distribute.noise_share
+            kdp.distribute.noise_share = lambda: 1.0
+            result["control_noise_everywhere"] = noise_run(CONTROL_STEPS)
+            kdp.distribute.noise_share = share
+        else:  # negative control: every process keeps its own noise seed
+            kdp.training.seeds.shared_os_seed = kdp.training.seeds.os_seed
+            try:
+                result["control_own_seed"] = noise_run(CONTROL_STEPS)
+            except Exception as e:  # noqa: BLE001 (JAX may refuse the inconsistent state)
+                result["control_own_seed"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    elif scenario == "kill":
+        doomed = int(os.environ["KDP_DOOMED"])
+        done_path = os.path.join(out, f"done-{rank}.txt")
+
+        class Die(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                with open(done_path, "w") as f:
+                    f.write(str(batch + 1))
+                if rank == doomed and batch + 1 == KILL_AT:
+                    os._exit(3)
+
+        with scope():
+            model = build(lr=0.01)
+        try:
+            model.fit(x, y, epochs=1, steps_per_epoch=200, verbose=0,
+                      callbacks=[kdp.callbacks.PrivacyJournal(os.path.join(out, "journal.json")),
+                                 Die()])
+            result["error"] = None
+        except DistributedTrainingError as e:
+            result["error"] = str(e)
+        result["ledger_steps"] = model.privacy_ledger.training_steps()
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # the survivors of a kill must not wait for the dead process at exit
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --- the tests (pytest process) --------------------------------------------------------
+
+ENGINE = os.environ.get("KERAS_BACKEND", "tensorflow")
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch(processes, scenario, tmp_path, doomed=-1, timeout=420):
+    """Start ``processes`` workers; ``{rank: result}`` of those that wrote one, and the return codes."""
+    ports = _free_ports(processes)
+    procs, logs = [], []
+    for rank in range(processes):
+        env = dict(os.environ, KDP_RANK=str(rank), KDP_PROCESSES=str(processes),
+                   KDP_SCENARIO=scenario, KDP_OUT=str(tmp_path), KDP_PORT=str(ports[0]),
+                   KDP_DOOMED=str(doomed), TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+        env.pop("XLA_FLAGS", None)
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                       "task": {"type": "worker", "index": rank}})
+        log = open(tmp_path / f"log-{rank}.txt", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append("timeout")
+    for log in logs:
+        log.close()
+    results = {}
+    for rank in range(processes):
+        path = tmp_path / f"result-{rank}.json"
+        if path.exists():
+            results[rank] = json.loads(path.read_text())
+    return results, codes
+
+
+def _tail(tmp_path, processes):
+    return "\n".join(f"--- log {r}:\n" + (tmp_path / f"log-{r}.txt").read_text()[-3000:]
+                     for r in range(processes))
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"{p}proc")
+def trained(request, tmp_path_factory):
+    processes = request.param
+    tmp = tmp_path_factory.mktemp(f"train{processes}")
+    results, codes = launch(processes, "train", tmp)
+    assert codes == [0] * processes and len(results) == processes, _tail(tmp, processes)
+    return processes, [results[r] for r in range(processes)]
+
+
+def _within(measured, expected, tol=0.03):
+    return abs(measured / expected - 1.0) < tol
+
+
+def test_shards_are_uneven_and_cover_the_dataset(trained):
+    processes, results = trained
+    rows = [r["rows"] for r in results]
+    assert sum(rows) == N and len(set(rows)) == processes
+
+
+def test_identical_weights_and_ledgers_on_every_process(trained):
+    _, results = trained
+    first = results[0]["noise"]
+    for r in results[1:]:
+        assert r["noise"]["ledger"] == first["ledger"]
+        for a, b in zip(r["noise"]["weights"], first["weights"]):
+            assert np.array_equal(a, b)
+    assert first["steps"] == STEPS
+
+
+def test_epsilon_equals_a_single_process_run_of_the_same_plan(trained):
+    _, results = trained
+    model = build()
+    x, y = data()
+    model.fit(x, y, epochs=1, steps_per_epoch=STEPS, verbose=0)
+    single = model.privacy_spent()[0]
+    for r in results:
+        assert r["noise"]["epsilon"] == pytest.approx(single, rel=1e-9)
+        assert r["noise"]["rate"] == BATCH / N
+
+
+def test_noise_std_matches_single_process_calibration(trained):
+    processes, results = trained
+    expected = expected_stds()
+    noise = results[0]["noise"]
+    assert noise["stds"] == pytest.approx(expected, rel=1e-6)
+    ratios = [m / e for m, e in zip(noise["rms"], expected)]
+    print(f"\n{ENGINE}, {processes} processes: noise std / single-process calibration "
+          f"{[round(r, 4) for r in ratios]}")
+    for m, e in zip(noise["rms"], expected):
+        assert _within(m, e), (m, e)
+
+
+def _global_batch(results, key):
+    return sum(r[key]["mean_records"] for r in results)
+
+
+def test_the_processes_draws_add_up_to_poisson_batches_of_mean_b(trained):
+    processes, results = trained
+    total = _global_batch(results, "noise")
+    assert abs(total - BATCH) < 5 * math.sqrt(BATCH / STEPS), total
+    # per process: mean q·n_p
+    for r in results:
+        assert abs(r["noise"]["mean_records"] - BATCH * r["rows"] / N) < 5 * math.sqrt(BATCH / STEPS)
+    if ENGINE == "jax":  # one shared padded size per step
+        assert all(r["noise"]["rows"] == results[0]["noise"]["rows"] for r in results)
+
+
+def test_negative_control_per_process_sampling_rate_is_caught(trained):
+    processes, results = trained
+    total = _global_batch(results, "control_own_rate")
+    print(f"\n{ENGINE}, {processes} processes: records per global step with b/n_p per process: "
+          f"{total:.1f} (b = {BATCH})")
+    assert abs(total - BATCH) > 5 * math.sqrt(BATCH / CONTROL_STEPS)
+    assert total == pytest.approx(processes * BATCH, rel=0.25)
+
+
+def test_negative_control_uncoordinated_noise_is_caught(trained):
+    processes, results = trained
+    if ENGINE == "tensorflow":
+        rms = results[0]["control_noise_everywhere"]["rms"]
+        ratios = [m / e for m, e in zip(rms, expected_stds())]
+        print(f"\ntensorflow, {processes} processes: every worker's noise kept, std ratio "
+              f"{[round(r, 3) for r in ratios]} (√P = {math.sqrt(processes):.3f})")
+        for r in ratios:
+            assert not _within(r, 1.0) and abs(r / math.sqrt(processes) - 1) < 0.1
+    else:
+        runs = [r["control_own_seed"] for r in results]
+        refused = all("error" in run for run in runs)
+        diverged = not refused and any(
+            not np.array_equal(a, b) for run in runs[1:] for a, b in zip(run["weights"], runs[0]["weights"]))
+        print(f"\njax, {processes} processes: own noise seeds: refused={refused} diverged={diverged}")
+        assert refused or diverged
+
+
+@pytest.mark.parametrize("processes,doomed", [(2, 1), (4, 0)], ids=["2proc-last-dies", "4proc-writer-dies"])
+def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path):
+    from kdp.training.ledger import LedgerJournal
+
+    results, codes = launch(processes, "kill", tmp_path, doomed=doomed)
+    assert codes[doomed] == 3, _tail(tmp_path, processes)
+    survivors = [r for r in range(processes) if r != doomed]
+    assert sorted(results) == survivors, _tail(tmp_path, processes)
+    for r in survivors:
+        assert "training stopped on process" in results[r]["error"], results[r]
+    done = [int((tmp_path / f"done-{r}.txt").read_text()) for r in range(processes)]
+    journal = LedgerJournal(tmp_path / "journal.json").read().training_steps()
+    print(f"\n{ENGINE}, {processes} processes, process {doomed} killed: steps completed "
+          f"{done}, journal {journal}")
+    assert done[doomed] == KILL_AT
+    assert journal >= max(done)
+    assert all(results[r]["ledger_steps"] >= max(done) for r in survivors)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
