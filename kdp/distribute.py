@@ -179,7 +179,13 @@ def allgather(model, array):
     strategy = _tf_multi_worker_strategy(model)
     values = strategy.experimental_distribute_values_from_function(
         lambda context: tf.constant(array[None]))
-    return np.asarray(strategy.gather(values, axis=0))
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")  # `strategy.gather` traces a new function per call: a warning after 5
+    try:
+        return np.asarray(strategy.gather(values, axis=0))
+    finally:
+        logger.setLevel(level)
 
 
 def _tf_multi_worker_strategy(model):

@@ -559,7 +559,7 @@ def _sharded_input(processes):
     must not shard the input again (``auto_shard_dataset`` off during `fit`)."""
     distribution = (keras.distribution.distribution()
                     if processes is not None and keras.backend.backend() == "jax" else None)
-    if distribution is None:
+    if not hasattr(distribution, "auto_shard_dataset"):
         yield
         return
     before = distribution.auto_shard_dataset

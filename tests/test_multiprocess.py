@@ -23,16 +23,19 @@ the real `fit` path:
 * a process killed mid-training: the survivors stop with
   `DistributedTrainingError`, and process 0's journal holds at least every
   step any process completed (also when the dead process is process 0, which
-  writes the journal).
+  writes the journal);
+* README's "Training on several machines" script, launched on 2 processes.
 """
 
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,21 +236,25 @@ def _free_ports(count):
     return ports
 
 
-def launch(processes, scenario, tmp_path, doomed=-1, timeout=420):
-    """Start ``processes`` workers; ``{rank: result}`` of those that wrote one, and the return codes."""
+def launch(processes, scenario, tmp_path, doomed=-1, timeout=420, script=None):
+    """Start ``processes`` workers (this file, or ``script`` run in ``tmp_path``);
+    ``{rank: result}`` of those that wrote one, and the return codes."""
     ports = _free_ports(processes)
     procs, logs = [], []
+    command = [sys.executable, os.path.abspath(__file__), "--worker"] if script is None else [
+        sys.executable, str(script)]
     for rank in range(processes):
         env = dict(os.environ, KDP_RANK=str(rank), KDP_PROCESSES=str(processes),
                    KDP_SCENARIO=scenario, KDP_OUT=str(tmp_path), KDP_PORT=str(ports[0]),
+                   KDP_COORDINATOR=f"127.0.0.1:{ports[0]}",
                    KDP_DOOMED=str(doomed), TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
         env.pop("XLA_FLAGS", None)
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                        "task": {"type": "worker", "index": rank}})
         log = open(tmp_path / f"log-{rank}.txt", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=tmp_path))
     deadline = time.time() + timeout
     codes = []
     for p in procs:
@@ -382,6 +389,126 @@ def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path):
     assert done[doomed] == KILL_AT
     assert journal >= max(done)
     assert all(results[r]["ledger_steps"] >= max(done) for r in survivors)
+
+
+# --- the handshake and the refusals, in this process (a stand-in for the collective) ----
+
+
+def _group_with(others):
+    """A `ProcessGroup` of 1 + len(others) processes whose exchange returns this
+    process's record followed by ``others(record)``."""
+    from kdp.training.processes import ProcessGroup
+
+    model = build(seed=1)
+    group = ProcessGroup(model, 1 + len(others), 0)
+    group.exchange = lambda record: [record] + [edit(json.loads(json.dumps(record))) for edit in others]
+    return model, group
+
+
+def _rows(n):
+    def edit(record):
+        record["rows"] = n
+        return record
+    return edit
+
+
+def test_handshake_accepts_shards_that_cover_the_dataset_and_merges_ledgers():
+    from kdp.training.ledger import PrivacyLedger, training_mechanism
+
+    other = PrivacyLedger()
+    other.record(training_mechanism(1.0, 0.1), 7, "feedc0de")  # a run only process 1 saw
+
+    def with_ledger(record):
+        record["rows"], record["ledger"], record["run"] = 100, other.get_config(), "ignored"
+        return record
+
+    model, group = _group_with([with_ledger])
+    group.join(N - 100)
+    assert group.rows == [N - 100, 100]
+    assert model.privacy_ledger.training_steps() == 7  # merged: nothing lost
+    assert group.run != "ignored"  # process 0 names the run
+
+
+@pytest.mark.parametrize("rows", [100, 157])
+def test_handshake_refuses_shards_that_do_not_sum_to_n(rows):
+    model, group = _group_with([_rows(rows)])
+    with pytest.raises(ValueError, match=r"hold \[100, %d\] records" % rows):
+        group.join(100)
+    assert model.privacy_ledger.training_steps() == 0
+
+
+def test_handshake_reports_another_process_refusal_on_every_process():
+    def refused(record):
+        record["error"] = "DataValidationError: labels out of range"
+        return record
+
+    _, group = _group_with([refused])
+    with pytest.raises(ValueError, match="process 1 of 2 refused its data: DataValidationError"):
+        group.join(N // 2)
+
+
+def test_handshake_refuses_different_configurations():
+    def other_noise(record):
+        record["rows"] = N // 2
+        record["config"]["dp_parameters"]["noise_multiplier"] = 9.0
+        return record
+
+    _, group = _group_with([other_noise])
+    with pytest.raises(ValueError, match="disagree on dp_parameters"):
+        group.join(N // 2)
+
+
+def test_diverging_ledgers_stop_training():
+    from kdp.training.processes import DistributedTrainingError
+
+    _, group = _group_with([_rows(N // 2)])
+    group.join(N // 2)
+    group.allgather = lambda array: np.stack([array, array + 1])  # process 1's digest differs
+    with pytest.raises(DistributedTrainingError, match="ledgers or budgets differ"):
+        group.verify()
+    with pytest.raises(DistributedTrainingError, match="ledgers or budgets differ"):
+        group.agree_rows(10)
+    group.allgather = lambda array: np.stack([array, array])
+    group.verify()  # the control: identical digests pass
+    assert group.agree_rows(10) == 10
+
+
+def test_releases_on_several_processes_outside_fit_are_refused(monkeypatch):
+    import kdp.distribute
+    from kdp.training.gate import PrivacyGateError
+
+    model = build(seed=1)
+    x, y = data()
+    model.train_on_batch(x[:8], y[:8])  # one process: allowed, recorded
+    before = model.privacy_ledger.to_json()
+    monkeypatch.setattr(kdp.distribute, "process_count", lambda model=None: 2)
+    with pytest.raises(ValueError, match="train_on_batch is not supported on several processes"):
+        model.train_on_batch(x[:8], y[:8])
+    with pytest.raises(PrivacyGateError, match="several processes"):
+        with model.privacy_gate.spend({"kind": "quantile", "noise_multiplier": 1.0, "sampling_rate": 0.1}):
+            pass
+    assert model.privacy_ledger.to_json() == before
+
+
+def test_readme_script_on_two_processes(tmp_path):
+    """README, "Training on several machines": its script, launched as the
+    README says, trains on 2 processes with the same ε, within the target."""
+    from kdp.training.ledger import LedgerJournal
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Training on several machines", 1)[1]
+    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert script.startswith("# train.py")
+    (tmp_path / "train.py").write_text(script)
+    _, codes = launch(2, "readme", tmp_path, script=tmp_path / "train.py")
+    assert codes == [0, 0], _tail(tmp_path, 2)
+    lines = [re.search(r"process (\d) of 2: epsilon ([0-9.]+)", (tmp_path / f"log-{r}.txt").read_text())
+             for r in range(2)]
+    assert all(lines), _tail(tmp_path, 2)
+    epsilons = {float(m.group(2)) for m in lines}
+    assert len(epsilons) == 1 and 0 < epsilons.pop() <= 3.0
+    steps = LedgerJournal(tmp_path / "journal.json").read().training_steps()
+    assert steps == 10 * math.ceil(1797 / 128)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

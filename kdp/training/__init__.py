@@ -9,13 +9,15 @@
 * `budget`: a model's per-step mechanism, planned releases, ε of more epochs,
   `make_private` (privacy in one call);
 * `statement`: the privacy statement of a model;
-* `saving`: the ledger inside every weights file.
+* `saving`: the ledger inside every weights file;
+* `processes`: several processes training one model (shards, one ledger).
 """
 
 from kdp.training.config import DPParameters
 from kdp.training.gate import BudgetExceededError, PrivacyGate, PrivacyGateError
 from kdp.training.ledger import LedgerJournal, PrivacyLedger
+from kdp.training.processes import DistributedTrainingError
 from kdp.training.validation import DataValidationError
 
-__all__ = ["BudgetExceededError", "DPParameters", "DataValidationError", "LedgerJournal",
-           "PrivacyGate", "PrivacyGateError", "PrivacyLedger"]
+__all__ = ["BudgetExceededError", "DPParameters", "DataValidationError", "DistributedTrainingError",
+           "LedgerJournal", "PrivacyGate", "PrivacyGateError", "PrivacyLedger"]

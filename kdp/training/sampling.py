@@ -119,7 +119,8 @@ class PoissonBatches(keras.utils.PyDataset):
         population = population or self.nb_samples
         reference = reference_rows or self.nb_samples
         self.sampling_rate = batch_size / population
-        self.shapes = poisson_batch_shapes(self.sampling_rate * reference, reference, shapes, multiple_of)
+        expected = batch_size if reference == population else self.sampling_rate * reference
+        self.shapes = poisson_batch_shapes(expected, reference, shapes, multiple_of)
         self.sample_weight = (
             np.ones(self.nb_samples, dtype="float32") if sample_weight is None
             else np.asarray(sample_weight, dtype="float32")
