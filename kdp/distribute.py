@@ -146,12 +146,23 @@ def process_count(model=None):
     if backend == "jax":
         import jax
 
-        return int(jax.process_count()) if jax.distributed.is_initialized() else 1
+        return int(jax.process_count()) if _jax_distributed_initialized() else 1
     if backend == "tensorflow":
         strategy = _tf_multi_worker_strategy(model)
         if strategy is not None:
             return strategy.num_replicas_in_sync // len(strategy.extended.worker_devices)
     return 1
+
+
+def _jax_distributed_initialized():
+    import jax
+
+    initialized = getattr(jax.distributed, "is_initialized", None)  # JAX >= 0.5
+    if initialized is not None:
+        return bool(initialized())
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
 
 
 def local_replicas(model=None):

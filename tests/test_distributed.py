@@ -56,6 +56,23 @@ def expected_stds(batch=BATCH):
     return [SIGMA * c * d / batch for c, d in zip([NM_COEF, 1.0, 1.0], deltas)]
 
 
+def lipschitz_model(seed, batch=BATCH, lr=1.0):
+    """The measured model: per-layer noise (c = 2.5 on the first kernel), SGD(lr)."""
+    import keras
+
+    from kdp import layers, losses
+    from kdp.model import DP_Sequential, DPParameters
+    from kdp.pipeline import DatasetMetadata
+
+    params = DPParameters("per-layer", SIGMA, 1e-3, reproducible=seed is not None, seed=seed)
+    model = DP_Sequential(
+        [layers.DP_BoundedInput((D_IN,), X0), layers.DP_QuickSpectralDense(96, nm_coef=NM_COEF),
+         layers.DP_AddBias(B_NORM), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(8)],
+        dp_parameters=params, dataset_metadata=DatasetMetadata((D_IN,), 8, N, batch))
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss=losses.DP_TauCategoricalCrossentropy(2.0))
+    return model
+
+
 # --- the worker (runs in a subprocess with 4 devices) --------------------------------
 
 
@@ -112,15 +129,6 @@ def _worker():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, D_IN)).astype("float32")
     y = rng.integers(0, 8, N)
-
-    def lipschitz_model(seed, batch=BATCH, lr=1.0):
-        params = DPParameters("per-layer", SIGMA, 1e-3, reproducible=seed is not None, seed=seed)
-        model = DP_Sequential(
-            [layers.DP_BoundedInput((D_IN,), X0), layers.DP_QuickSpectralDense(96, nm_coef=NM_COEF),
-             layers.DP_AddBias(B_NORM), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(8)],
-            dp_parameters=params, dataset_metadata=DatasetMetadata((D_IN,), 8, N, batch))
-        model.compile(optimizer=keras.optimizers.SGD(lr), loss=losses.DP_TauCategoricalCrossentropy(2.0))
-        return model
 
     def clipping_model(seed, lr=1.0):
         inputs = keras.Input((D_IN,))

@@ -40,18 +40,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-D_IN, X0, B_NORM, SIGMA, NM_COEF = 24, 2.0, 0.5, 1.5, 2.5
-N, BATCH = 256, 32
-SQRT2 = math.sqrt(2.0)
+from test_distributed import BATCH, D_IN, N, expected_stds, lipschitz_model
+
 STEPS = 120          # 96 × 120 bias draws: relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
 CONTROL_STEPS = 30
 KILL_AT = 5          # the doomed process dies after this many completed steps
-
-
-def expected_stds():
-    """By hand: Δ_W1 = X0·L, Δ_bias = L, Δ_W2 = (X0 + B)·L, std = σ c Δ / b (per-layer)."""
-    deltas = [X0 * SQRT2, SQRT2, (X0 + B_NORM) * SQRT2]
-    return [SIGMA * c * d / BATCH for c, d in zip([NM_COEF, 1.0, 1.0], deltas)]
 
 
 def shard_bounds(processes):
@@ -68,19 +61,8 @@ def data():
 
 
 def build(seed=None, lr=1.0):
-    import keras
-
-    from kdp import layers, losses
-    from kdp.model import DP_Sequential, DPParameters
-    from kdp.pipeline import DatasetMetadata
-
-    params = DPParameters("per-layer", SIGMA, 1e-3, reproducible=seed is not None, seed=seed)
-    model = DP_Sequential(
-        [layers.DP_BoundedInput((D_IN,), X0), layers.DP_QuickSpectralDense(96, nm_coef=NM_COEF),
-         layers.DP_AddBias(B_NORM), layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(8)],
-        dp_parameters=params, dataset_metadata=DatasetMetadata((D_IN,), 8, N, BATCH))
-    model.compile(optimizer=keras.optimizers.SGD(lr), loss=losses.DP_TauCategoricalCrossentropy(2.0))
-    return model
+    """tests/test_distributed.py's model (its noise std is written out by hand there)."""
+    return lipschitz_model(seed, lr=lr)
 
 
 # --- one process (this file run with --worker) -----------------------------------------
