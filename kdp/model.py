@@ -472,6 +472,8 @@ class DPModelMixin:
         if not _is_arrays(x):
             raise ValueError("on several processes, fit takes each process's shard of the records "
                              "as arrays (Poisson sampling at the global rate b/N)")
+        if self.dp_parameters.sampling != "poisson":
+            raise ValueError("training on several processes needs Poisson sampling (sampling='poisson')")
         if kwargs.get("validation_data") is not None:
             raise ValueError("validation_data is not supported on several processes: evaluate "
                              "after training (a model's evaluation is not private anyway)")
@@ -540,13 +542,14 @@ def _check_engine(model, processes):
     """Refuse an engine configuration under which the processes would not train
     one model on one global batch."""
     if keras.backend.backend() == "jax":
-        distribution = keras.distribution.distribution()
-        replicas = distribute.num_replicas(model)
-        if distribution is None or replicas % processes.count:
+        import jax
+
+        if distribute.num_replicas(model) != jax.device_count():
             raise ValueError(
                 f"{model.name}: {processes.count} JAX processes need a distribution whose batch "
-                "axis spans them all: call keras.distribution.set_distribution("
-                "keras.distribution.DataParallel()) on every process before building the model")
+                f"axis spans all {jax.device_count()} devices of all processes: call "
+                "keras.distribution.set_distribution(keras.distribution.DataParallel()) on every "
+                "process before building the model")
     elif distribute.local_replicas(model) != 1:
         raise NotImplementedError(
             f"{model.name}: MultiWorkerMirroredStrategy with {distribute.local_replicas(model)} "

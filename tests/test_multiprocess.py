@@ -168,6 +168,13 @@ def _worker():
                 result["control_own_seed"] = noise_run(CONTROL_STEPS)
             except Exception as e:  # noqa: BLE001 (JAX may refuse the inconsistent state)
                 result["control_own_seed"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            # a model built without a distribution spanning the processes: refused
+            keras.distribution.set_distribution(None)
+            try:
+                build().fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
+                result["no_distribution"] = None
+            except ValueError as e:
+                result["no_distribution"] = str(e)
     elif scenario == "kill":
         doomed = int(os.environ["KDP_DOOMED"])
         done_path = os.path.join(out, f"done-{rank}.txt")
@@ -352,6 +359,14 @@ def test_negative_control_uncoordinated_noise_is_caught(trained):
             not np.array_equal(a, b) for run in runs[1:] for a, b in zip(run["weights"], runs[0]["weights"]))
         print(f"\njax, {processes} processes: own noise seeds: refused={refused} diverged={diverged}")
         assert refused or diverged
+
+
+def test_jax_processes_without_a_spanning_distribution_are_refused(trained):
+    if ENGINE != "jax":
+        pytest.skip("JAX's multi-process runtime only")
+    _, results = trained
+    for r in results:
+        assert r["no_distribution"] and "spans all" in r["no_distribution"], r["no_distribution"]
 
 
 @pytest.mark.parametrize("processes,doomed", [(2, 1), (4, 0)], ids=["2proc-last-dies", "4proc-writer-dies"])

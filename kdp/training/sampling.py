@@ -231,9 +231,7 @@ class ShuffledBatches(keras.utils.PyDataset):
 
 
 def _process_batches(x, y, weights, batch_size, params, steps_per_epoch, replicas, processes, seed):
-    """`fit_batches` for one process of several (Poisson sampling only)."""
-    if params.sampling != "poisson":
-        raise ValueError("training on several processes needs Poisson sampling (sampling='poisson')")
+    """`fit_batches` for one process of several (Poisson sampling: `fit` refused the rest)."""
     if seed is not None:  # the same seed on every process would draw correlated shards
         seed = seed + 7919 * processes.index
     jax = keras.backend.backend() == "jax"
