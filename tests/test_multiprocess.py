@@ -196,8 +196,15 @@ def _worker():
         except DistributedTrainingError as e:
             result["error"] = str(e)
         result["ledger_steps"] = model.privacy_ledger.training_steps()
-    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+    with open(os.path.join(out, f".result-{rank}.tmp"), "w") as f:
         json.dump(result, f)
+    os.replace(os.path.join(out, f".result-{rank}.tmp"), os.path.join(out, f"result-{rank}.json"))
+    if rank == 0:  # JAX's coordination service lives in process 0: the others abort without it
+        doomed = int(os.environ["KDP_DOOMED"])
+        others = [os.path.join(out, f"result-{r}.json") for r in range(count) if r != doomed]
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(map(os.path.exists, others)):
+            time.sleep(0.1)
     sys.stdout.flush()
     os._exit(0)  # the survivors of a kill must not wait for the dead process at exit
 
@@ -376,16 +383,20 @@ def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path):
     results, codes = launch(processes, "kill", tmp_path, doomed=doomed)
     assert codes[doomed] == 3, _tail(tmp_path, processes)
     survivors = [r for r in range(processes) if r != doomed]
-    assert sorted(results) == survivors, _tail(tmp_path, processes)
     for r in survivors:
-        assert "training stopped on process" in results[r]["error"], results[r]
+        if r in results:  # kdp's error
+            assert "training stopped on process" in results[r]["error"], results[r]
+        else:  # process 0 hosted JAX's coordination service: JAX itself may end the others
+            log = (tmp_path / f"log-{r}.txt").read_text()
+            assert ENGINE == "jax" and doomed == 0, _tail(tmp_path, processes)
+            assert "distributed service detected fatal errors" in log, log[-3000:]
     done = [int((tmp_path / f"done-{r}.txt").read_text()) for r in range(processes)]
     journal = LedgerJournal(tmp_path / "journal.json").read().training_steps()
     print(f"\n{ENGINE}, {processes} processes, process {doomed} killed: steps completed "
           f"{done}, journal {journal}")
     assert done[doomed] == KILL_AT
     assert journal >= max(done)
-    assert all(results[r]["ledger_steps"] >= max(done) for r in survivors)
+    assert all(results[r]["ledger_steps"] >= max(done) for r in survivors if r in results)
 
 
 # --- the handshake and the refusals, in this process (a stand-in for the collective) ----
