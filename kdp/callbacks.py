@@ -28,6 +28,9 @@ class DP_Accountant(keras.callbacks.Callback):
             ``epsilon`` and ``delta`` are in the epoch logs, for any logging callback.
     """
 
+    #: its batch-end hook writes its own ε; it reads nothing `fit` puts in the step logs.
+    reads_batch_logs = False
+
     def __init__(self, epsilon_max=None, accountant="rdp", per_step=False, log_fn=None):
         super().__init__()
         if epsilon_max is not None and not epsilon_max > 0:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kdp import layers, losses
+from kdp.callbacks import DP_Accountant
 from kdp.model import DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
 
@@ -98,6 +99,28 @@ def test_progress_bar_shows_epsilon_per_step_and_counts_the_steps_a_budget_stop_
     shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # without colours
     assert re.findall(r"(\d+)/(\d+)\b", shown)[-1] == ("2", "2")  # Keras alone ends the bar at 4/4
     assert f"epsilon: {eps[1]:.4f}" in shown
+
+
+def test_epsilon_per_step_is_computed_only_when_the_step_logs_are_read(monkeypatch):
+    """ε after every step reaches any reader (here a callback at verbose=0); with
+    no reader (verbose=0, `DP_Accountant` and Keras' own callbacks only) the
+    ~0.3 ms accountant call per step is skipped, the epoch logs keep ε."""
+    from kdp.training.gate import PrivacyGate
+
+    x, y = _data(N, 0)
+    calls = []
+    spent = PrivacyGate.privacy_spent
+    monkeypatch.setattr(PrivacyGate, "privacy_spent",
+                        lambda self, *a, **k: calls.append(1) or spent(self, *a, **k))
+    model = _model()  # 4 steps per epoch
+    seen = _SeesBatches()
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[seen])
+    assert len(seen.epsilons) == 8 and None not in seen.epsilons
+    assert seen.epsilons == sorted(seen.epsilons)
+    calls.clear()
+    history = model.fit(x, y, epochs=2, verbose=0, callbacks=[DP_Accountant()])
+    assert len(calls) <= 2 * 2  # the epochs' ends only (the gate's and the accountant's)
+    assert history.history["epsilon"][-1] == pytest.approx(model.privacy_spent()[0], rel=1e-9)
 
 
 def test_a_fit_that_ends_within_its_budget_does_not_warn():

@@ -36,8 +36,10 @@ class OrthogonalProjection(keras.constraints.Constraint):
 
     def __call__(self, w):
         shape = w.shape
-        w2 = ops.reshape(w, (-1, shape[-1])) * self.scale
-        w2 = orthogonalize(w2, self.iterations, self.tolerance) / self.scale
+        w2 = ops.reshape(w, (-1, shape[-1]))
+        if self.scale == 1.0:  # dense kernels: no passes over W for the scale
+            return ops.reshape(orthogonalize(w2, self.iterations, self.tolerance), shape)
+        w2 = orthogonalize(w2 * self.scale, self.iterations, self.tolerance) / self.scale
         return ops.reshape(w2, shape)
 
     def get_config(self):
