@@ -74,8 +74,8 @@ def keras_model(net, constraint):
         body = [layers.Dense(512, activation="relu", **dense), layers.Dense(512, activation="relu", **dense),
                 layers.Dense(10, **dense)]
     else:
-        body = [layers.Conv2D(32, 3, padding="same", activation="relu", **dense), layers.AveragePooling2D(),
-                layers.Conv2D(64, 3, padding="same", activation="relu", **dense), layers.AveragePooling2D(),
+        body = [layers.Conv2D(32, 3, padding="same", activation="relu", **dense), layers.AveragePooling2D(2),
+                layers.Conv2D(64, 3, padding="same", activation="relu", **dense), layers.AveragePooling2D(2),
                 layers.Flatten(), layers.Dense(10, **dense)]
     model = keras.Sequential([keras.Input(SHAPES[net])] + body)
     model.compile(optimizer=keras.optimizers.SGD(0.01),
