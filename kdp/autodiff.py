@@ -73,6 +73,19 @@ def trace_shapes(fn, shape, dtype):
     raise NotImplementedError(f"trace_shapes supports jax and tensorflow, not {backend!r}")
 
 
+def evaluate_shapes(fn, *args):
+    """``fn(*args)`` for its shapes and errors: on JAX traced on abstract
+    tensors of ``args``' shapes and dtypes (``jax.eval_shape``: no compute,
+    nothing compiled, where eager JAX would compile and keep one executable per
+    operation); elsewhere run eagerly (TensorFlow's eager ops compile nothing).
+    ``args`` may be structures of arrays."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.eval_shape(fn, *args)
+    return fn(*args)
+
+
 def per_example_gradients(model, loss, x, y):
     """Gradient of every example's own loss, vectorized over the batch.
 

@@ -25,6 +25,7 @@ from kdp import clipping, distribute
 from kdp.bounds import BoundError, compute_gradient_bounds, loss_lipschitz
 from kdp.layers.base import serializable
 from kdp.layers.clip import DP_ClipGradient
+from kdp.layers.constraints import project
 from kdp.metadata import DatasetMetadata
 from kdp.training import budget, objective, saving, seeds, statement
 from kdp.training.config import NOISIFY_STRATEGIES, DPParameters  # noqa: F401 (public names)
@@ -225,7 +226,7 @@ class DPModelMixin:
         the first step of every `fit` and before every `train_on_batch`."""
         for v in self.trainable_variables:
             if v.constraint is not None:
-                v.assign(v.constraint(v.value))
+                v.assign(project(v.constraint, v.value))
 
     # -- noise and accounting (kdp.training.objective / budget) --------------------
     def noise_stds(self):

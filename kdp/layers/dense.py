@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from kdp.layers.base import DPLayer, serializable
-from kdp.layers.constraints import OrthogonalProjection
+from kdp.layers.constraints import OrthogonalProjection, full_projection, project
 
 #: Björck steps of `DP_SpectralDense` / `DP_SpectralConv2D` per projection.
 FULL_ITERATIONS = 15
@@ -32,8 +32,8 @@ class _OrthogonalKernelMixin:
 
     def _project_initial_kernel(self):
         # Certify the initial kernel too: run the full projection once.
-        full = OrthogonalProjection(FULL_ITERATIONS, FULL_TOLERANCE, self.kernel.constraint.scale)
-        self.kernel.assign(full(self.kernel.value))
+        full = full_projection(FULL_ITERATIONS, FULL_TOLERANCE, self.kernel.constraint.scale)
+        self.kernel.assign(project(full, self.kernel.value))
 
 
 @serializable

@@ -163,14 +163,22 @@ def probe_loss(model, x, y, rows=2):
     """Compute the loss on the first ``rows`` examples, outside any step (nothing
     is released), so that labels the loss cannot take are refused with their
     real shapes (an error from inside the step would quote the padded batch)."""
+    from kdp.autodiff import evaluate_shapes
+
     x_few = keras.tree.map_structure(lambda a: a[:rows], x)
     y_few = y[:rows]
+    shapes = []
+
+    def forward(x_, y_):
+        y_pred = model(x_, training=False)
+        shapes.append(tuple(y_pred.shape))
+        return model.loss(y_, y_pred)
+
     try:
-        y_pred = model(x_few, training=False)
-        model.loss(y_few, y_pred)
+        # Shapes only where the model is built (JAX: no executable compiled and kept).
+        evaluate_shapes(forward, x_few, y_few) if model.built else forward(x_few, y_few)
     except Exception as e:  # noqa: BLE001 (any refusal of the loss is reported)
-        outputs = ("(N" + "".join(f", {d}" for d in keras.ops.shape(y_pred)[1:]) + ")"
-                   if "y_pred" in locals() else "unknown")
+        outputs = "(N" + "".join(f", {d}" for d in shapes[0][1:]) + ")" if shapes else "unknown"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataValidationError(
             f"{_loss_name(model.loss)} cannot take labels of shape {(len(y),) + y.shape[1:]} for "
