@@ -170,51 +170,53 @@ def gram_norm_bound(g):
 
 
 def _bjorck_step(w, g, gram_scale=1.0, factor=1.0):
-    """``factor · W (3/2 I − 1/2 gram_scale · G)``: one Björck step of
-    ``√gram_scale · W`` (whose Gram matrix is ``gram_scale · G``) when
-    ``factor = √gram_scale``. The scalars act on the small square factor, not on
-    ``W``."""
+    """``factor · W (3/2 I − 1/2 gram_scale · G)``, ``G`` the Gram matrix of ``W``:
+    with ``gram_scale = c²`` and ``factor = 1``, one Björck step of ``c·W``
+    divided by ``c``. The scalars act on the small square factor, not on ``W``."""
     eye = ops.eye(g.shape[0], dtype=w.dtype)
     p = (1.5 * factor) * eye - (0.5 * factor * gram_scale) * g
     return precise_matmul(w, p) if _is_tall(w.shape) else precise_matmul(p, w)
 
 
-def orthogonalize(w, iterations=1, tolerance=None):
-    """Certified Björck orthogonalisation of a 2-D kernel.
+def orthogonalize(w, iterations=1, tolerance=None, scale=1.0):
+    """Certified Björck orthogonalisation of the 2-D kernel ``scale · W``.
 
-    The prescale (``‖W‖₂² ≤ 3.5``) and, for one step, the final shrink
-    ``1 − FLOAT_MARGIN`` are folded into the square factor of the first step, so
-    one step costs the Gram matrix and one product, nothing more over ``W``.
+    The scale, the prescale (``‖scale·W‖₂² ≤ 3.5``) and, for one step, the final
+    shrink ``1 − FLOAT_MARGIN`` act on the small square factor of the first step
+    (the Gram matrix of ``scale·W`` is ``scale² G``), so one step costs the Gram
+    matrix and one product, nothing more over ``W``.
 
     Args:
         w: tensor of shape ``(m, n)``.
         iterations: maximum number of Björck steps (≥ 1).
-        tolerance: if given, stop early once ``max_ij |G − I| < tolerance``
+        tolerance: if given, stop early once ``max_ij |scale² G − I| < tolerance``
             (the result is certified either way).
+        scale: a Python float > 0 (the convolutions' patch factor; 1 for dense).
 
     Returns:
-        A kernel of the same shape with ``‖W‖₂ ≤ 1`` (exact SVD), close to the
-        nearest matrix with orthonormal rows or columns.
+        A kernel of the same shape with ``‖scale · W‖₂ ≤ 1`` (exact SVD), close to
+        ``1/scale`` times the nearest matrix with orthonormal rows or columns.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    s2 = float(scale) ** 2
     g = gram(w)
-    bound = ops.maximum(gram_norm_bound(g), 1e-30)
-    scale = ops.where(bound > _PRESCALE_LIMIT, _PRESCALE_LIMIT / bound, 1.0)
+    bound = ops.maximum(gram_norm_bound(g) * s2, 1e-30)
+    prescale = ops.where(bound > _PRESCALE_LIMIT, _PRESCALE_LIMIT / bound, 1.0)
     shrink = 1.0 - FLOAT_MARGIN
     if iterations == 1:
-        return _bjorck_step(w, g, scale, ops.sqrt(scale) * shrink)
-    w = _bjorck_step(w, g, scale, ops.sqrt(scale))
+        return _bjorck_step(w, g, prescale * s2, ops.sqrt(prescale) * shrink)
+    w = _bjorck_step(w, g, prescale * s2, ops.sqrt(prescale))
     eye = ops.eye(g.shape[0], dtype=w.dtype)
 
     def cond(i, w_):
         if tolerance is None:
             return i < iterations
-        err = ops.max(ops.abs(gram(w_) - eye))
+        err = ops.max(ops.abs(gram(w_) * s2 - eye))
         return ops.logical_and(i < iterations, err >= tolerance)
 
     def body(i, w_):
-        return i + 1, _bjorck_step(w_, gram(w_))
+        return i + 1, _bjorck_step(w_, gram(w_), s2)
 
     _, w = ops.while_loop(cond, body, (ops.convert_to_tensor(1), w))
     return w * shrink

@@ -20,10 +20,10 @@ from kdp.lipschitz import orthogonalize
 class OrthogonalProjection(keras.constraints.Constraint):
     """Certified Björck projection of a kernel onto ``{‖W_r‖₂ ≤ 1 / scale}``.
 
-    The kernel is reshaped to ``(-1, units)`` (``W_r``), multiplied by ``scale``,
-    orthogonalised with :func:`kdp.lipschitz.orthogonalize` and divided by
-    ``scale`` again. ``scale`` is ``√(patches per pixel)`` for convolutions and 1
-    for dense kernels.
+    The kernel is reshaped to ``(-1, units)`` (``W_r``) and ``scale · W_r`` is
+    orthogonalised by :func:`kdp.lipschitz.orthogonalize`, which returns ``W_r``
+    with ``‖scale · W_r‖₂ ≤ 1``. ``scale`` is ``√(patches per pixel)`` for
+    convolutions and 1 for dense kernels.
 
     Args:
         iterations: Björck steps per projection (1 is enough to warm-start from
@@ -40,10 +40,7 @@ class OrthogonalProjection(keras.constraints.Constraint):
     def __call__(self, w):
         shape = w.shape
         w2 = ops.reshape(w, (-1, shape[-1]))
-        if self.scale == 1.0:  # dense kernels: no passes over W for the scale
-            return ops.reshape(orthogonalize(w2, self.iterations, self.tolerance), shape)
-        w2 = orthogonalize(w2 * self.scale, self.iterations, self.tolerance) / self.scale
-        return ops.reshape(w2, shape)
+        return ops.reshape(orthogonalize(w2, self.iterations, self.tolerance, self.scale), shape)
 
     def get_config(self):
         return {
