@@ -31,8 +31,11 @@ sees, host work included). The table gives the medians over the rounds and the
 ratios of the medians.
 
 Memory (``--memory``): each (kind, batch) in its own subprocess, whose peak RSS
-(`resource.getrusage`, which sees XLA's and TensorFlow's allocators) minus its
-RSS after the imports; the data (the same arrays for every kind) count in it.
+(``VmHWM``, which sees XLA's and TensorFlow's allocators) minus its peak after
+the imports; the data (the same arrays for every kind) count in it.
+The subprocess compiles, then runs ``--memory-fits`` fits (default 5): the RSS
+of every kind grows over the first fits (allocator arenas) and then levels off,
+so a single fit would compare the kinds at different points of that growth.
 
     KERAS_BACKEND=jax python benchmarks/bench_projection_floor.py [--memory]
 """
@@ -191,21 +194,36 @@ def time_kinds(net, batch, steps, rounds, kinds):
     return times, time_noise(trainers[kinds.index("kdp")], rounds)
 
 
-def memory_child(kind, net, batch, steps):
+def peak_rss_mb():
+    """This process's peak RSS in MB: ``VmHWM`` (Linux; reset by ``exec``, unlike
+    ``ru_maxrss``, which a child started by `subprocess` may inherit from the
+    parent and so read as the parent's peak), else `resource.getrusage`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_child(kind, net, batch, steps, fits):
+    base = peak_rss_mb()
     x, y = data(net, batch, steps)
     trainer = Trainer(kind, net, batch, x, y)
     trainer.warm_up(steps)
-    trainer.run(steps)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"mb": (peak - base) / 1024}))
+    for _ in range(fits):
+        trainer.run(steps)
+    print(json.dumps({"mb": peak_rss_mb() - base}))
 
 
-def memory(kind, net, batch, steps):
+def memory(kind, net, batch, steps, fits):
     out = subprocess.run([sys.executable, __file__, "--memory-child", kind, net, str(batch),
-                          "--steps", str(steps)], capture_output=True, text=True, check=True)
+                          "--steps", str(steps), "--memory-fits", str(fits)],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["mb"]
 
 
@@ -219,11 +237,13 @@ def main():
                         "convnet, at least 10)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--memory", action="store_true", help="also the peak RSS of each kind")
+    parser.add_argument("--memory-fits", type=int, default=5,
+                        help="fits of --steps steps after compiling, for the peak RSS")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         kind, net, batch = args.memory_child
-        memory_child(kind, net, int(batch), args.steps or 10)
+        memory_child(kind, net, int(batch), args.steps or 10, args.memory_fits)
         return
     print(f"backend={keras.backend.backend()}, {os.cpu_count()} CPUs; ms per step, median of "
           f"{args.rounds} alternated rounds of one fit of {args.steps or 'max(10, 40960/b or 2560/b)'} steps")
@@ -244,7 +264,7 @@ def main():
                     f" {med['kdp proj'] / floor:10.2f} {med['kdp'] / floor:9.2f}"
                     f" {(med['kdp'] - noise) / floor:15.2f}")
             if args.memory:
-                line += " " + " ".join(f"{memory(k, net, batch, steps):11.0f}" for k in KINDS)
+                line += " " + " ".join(f"{memory(k, net, batch, steps, args.memory_fits):11.0f}" for k in KINDS)
             print(line, flush=True)
 
 
