@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: a step timer and the Clipless MLP they all time."""
+"""Shared by the benchmark scripts: a step timer, the peak memory reading and the
+Clipless MLP they all time."""
 
 import time
 
@@ -21,6 +22,23 @@ class StepTimer(keras.callbacks.Callback):
 
     def median(self):
         return float(np.median(self.times))
+
+
+def peak_rss_mb():
+    """This process's peak RSS in MB (it sees XLA's and TensorFlow's allocators):
+    ``VmHWM`` on Linux, reset by ``exec``, unlike ``ru_maxrss``, which a child
+    started by `subprocess` can inherit from its parent's peak; elsewhere
+    `resource.getrusage`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def clipless_mlp(nb_samples, batch_size, activation="groupsort", **dp_parameters):

@@ -15,7 +15,7 @@ kdp is timed three ways:
   padded to the capacity ``b + 6√b + 8`` (kdp ≤ 0.1's only mode).
 
 Each configuration runs in its **own subprocess**, so that its peak memory is
-that process's max RSS (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, which also
+that process's peak RSS (`_common.peak_rss_mb`, which also
 sees XLA/TensorFlow's C++ allocators); the baseline RSS after the imports (kdp
 included, for both kinds) is subtracted. Time: ``fit`` over ``--warmup`` steps (compilation of every padded
 size), then the wall time of one ``fit`` of ``--steps`` steps divided by the
@@ -51,15 +51,13 @@ def model_batch_shapes(model):
 
 def child(kind, batch, steps, warmup):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import resource
-
     import keras
     import numpy as np
-    from _common import clipless_mlp
+    from _common import clipless_mlp, peak_rss_mb
 
     import kdp  # noqa: F401  (imported by both kinds, so that the base RSS counts it)
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_mb()
     n = max(4 * batch, 8192)
     rng = np.random.default_rng(0)
     x = rng.random((n, 784), dtype="float32")
@@ -87,8 +85,7 @@ def child(kind, batch, steps, warmup):
         model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
         done = steps
     elapsed = (time.perf_counter() - start) / done  # fit ends with the weights synced
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"time": elapsed, "peak_mb": peak / 1024, "base_mb": base / 1024}))
+    print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb(), "base_mb": base}))
 
 
 def main():

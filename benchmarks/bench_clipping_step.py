@@ -15,7 +15,7 @@ each trained three ways:
   per-example gradients for the convolutions.
 
 Each configuration runs in its own subprocess, so its peak memory is that
-process's max RSS (``ru_maxrss``, which sees XLA/TensorFlow's allocators) minus
+process's peak RSS (`_common.peak_rss_mb`, which sees XLA/TensorFlow's allocators) minus
 the RSS after imports. Time: ``fit`` over 2 warm-up steps (compilation), then
 the median of ``--steps`` per-step wall times (a callback; includes kdp's
 Poisson sampling and noise). Poisson batches are padded to ``b + 6√b + 8`` rows,
@@ -81,12 +81,10 @@ def build(model_name, kind, n, batch):
 
 def child(model_name, kind, batch, steps):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import resource
-
-    from _common import StepTimer
+    from _common import StepTimer, peak_rss_mb
     import numpy as np
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_mb()
     n = max(4 * batch, 8192)
     model, shape = build(model_name, kind, n, batch)
     rng = np.random.default_rng(0)
@@ -96,8 +94,7 @@ def child(model_name, kind, batch, steps):
     model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, **fit)  # compile + warm-up
     timer = StepTimer()
     model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer], **fit)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"time": timer.median(), "peak_mb": (peak - base) / 1024}))
+    print(json.dumps({"time": timer.median(), "peak_mb": peak_rss_mb() - base}))
 
 
 def speed(args):

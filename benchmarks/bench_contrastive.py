@@ -19,7 +19,6 @@ Usage::
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -27,15 +26,13 @@ import time
 STRATEGIES = ("logit-dp", "naive", "clipless", "brute-force")
 
 
-def _rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def run_one(strategy, n, reps):
 
     import keras
     import numpy as np
     from keras import ops
+
+    from _common import peak_rss_mb
 
     from kdp.contrastive import ContrastiveTrainer, PairGradients, _backend
     from kdp.layers import DP_BoundedInput, DP_GroupSort, DP_SpectralDense
@@ -80,14 +77,14 @@ def run_one(strategy, n, reps):
         return [np.asarray(g) for g in out]
 
     block(call())  # compile
-    before = _rss_mb()
+    before = peak_rss_mb()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         block(call())
         times.append(time.perf_counter() - start)
     return {"strategy": strategy, "n": n, "ms": 1e3 * float(np.median(times)),
-            "peak_mb": max(0.0, _rss_mb() - before), "xla_mb": xla_mb}
+            "peak_mb": max(0.0, peak_rss_mb() - before), "xla_mb": xla_mb}
 
 
 def main():

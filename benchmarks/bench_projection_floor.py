@@ -194,23 +194,9 @@ def time_kinds(net, batch, steps, rounds, kinds):
     return times, time_noise(trainers[kinds.index("kdp")], rounds)
 
 
-def peak_rss_mb():
-    """This process's peak RSS in MB: ``VmHWM`` (Linux; reset by ``exec``, unlike
-    ``ru_maxrss``, which a child started by `subprocess` may inherit from the
-    parent and so read as the parent's peak), else `resource.getrusage`."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def memory_child(kind, net, batch, steps, fits):
+    from _common import peak_rss_mb
+
     base = peak_rss_mb()
     x, y = data(net, batch, steps)
     trainer = Trainer(kind, net, batch, x, y)
