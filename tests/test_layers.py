@@ -371,6 +371,46 @@ def test_projection_certifies_unit_norm(kind, make, shape, rng):
         assert min(sigmas) >= 1 - 1e-3
 
 
+class _UserOrthogonal(keras.initializers.Orthogonal):
+    """A user's initializer class (drawn eagerly, not by the compiled program)."""
+
+
+INITIALIZERS = {
+    "orthogonal, int seed": lambda: keras.initializers.Orthogonal(seed=5),
+    "glorot, int seed": lambda: keras.initializers.GlorotUniform(seed=7),
+    "default orthogonal": lambda: "orthogonal",
+    "constant": lambda: keras.initializers.Constant(0.1),
+    "user class": lambda: _UserOrthogonal(seed=3),
+    "seed generator": lambda: keras.initializers.Orthogonal(seed=keras.random.SeedGenerator(4)),
+    "unseeded function": lambda: (lambda shape, dtype=None: keras.random.normal(shape, dtype=dtype)),
+}
+
+
+@pytest.mark.parametrize("name", list(INITIALIZERS))
+@pytest.mark.parametrize("make,shape", [(L.DP_QuickSpectralDense, (12,)),
+                                        (lambda i, **k: L.DP_QuickSpectralConv2D(i, 3, **k), (5, 5, 4))],
+                         ids=["dense", "conv"])
+def test_initial_kernel_is_the_certified_projection_of_its_draw(name, make, shape):
+    """Every initializer gives a certified kernel, and where the draw can be
+    repeated (an integer seed) it is the full projection of that draw."""
+    from kdp.layers.constraints import full_projection
+    from kdp.layers.dense import FULL_ITERATIONS, FULL_TOLERANCE
+
+    layers = [make(6, kernel_initializer=INITIALIZERS[name]()) for _ in range(2)]
+    for layer in layers:
+        layer.build((None,) + shape)
+        assert operator_norm(layer, shape) <= 1 + 1e-6
+    kernels = [np.asarray(layer.kernel) for layer in layers]
+    init = layers[0].kernel_initializer
+    if isinstance(getattr(init, "seed", None), int):
+        full = full_projection(FULL_ITERATIONS, FULL_TOLERANCE, layers[0].kernel.constraint.scale)
+        w = init(kernels[0].shape, "float32")
+        expected = np.asarray(full(ops.reshape(w, (-1, kernels[0].shape[-1])))).reshape(kernels[0].shape)
+        np.testing.assert_allclose(kernels[0], expected, atol=1e-6)
+    if name == "default orthogonal":  # two layers, two seeds: two kernels
+        assert not np.allclose(kernels[0], kernels[1])
+
+
 # --- serialization ------------------------------------------------------------------
 
 SINGLE_LAYERS = [

@@ -134,6 +134,27 @@ def test_noise_is_independent_across_variables_and_steps(noise_run):
     assert abs(np.mean(z[:, 0::2] * z[:, 1::2])) < 5 / math.sqrt(z[:, 0::2].size)
 
 
+def test_noise_term_is_zero_and_its_gradient_is_the_noise():
+    """The term added to the loss has value 0 (the loss logged is the data loss)
+    and gradient ξ_v for each v, scaled by the upstream gradient; none flows to ξ."""
+    from kdp.autodiff import gradient
+    from kdp.training.objective import _zero_with_gradient
+
+    rng = np.random.default_rng(0)
+    shapes = ((3, 4), (5,))
+    values = [rng.normal(size=s).astype("float32") for s in shapes]
+    noises = [rng.normal(size=s).astype("float32") for s in shapes]
+
+    def loss(a, b, xi_a, xi_b):
+        return 3.0 * _zero_with_gradient(a, b, xi_a, xi_b)
+
+    assert float(loss(*values, *noises)) == 0.0
+    grads = [np.asarray(g) for g in gradient(loss, *values, *noises)]
+    np.testing.assert_allclose(grads[0], 3.0 * noises[0], rtol=1e-6)
+    np.testing.assert_allclose(grads[1], 3.0 * noises[1], rtol=1e-6)
+    assert not grads[2].any() and not grads[3].any()
+
+
 def test_noise_seeds():
     draws = {}
     for name, seed in (("a", 7), ("b", 7), ("c", None), ("d", None)):

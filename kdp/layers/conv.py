@@ -51,13 +51,7 @@ class DP_SpectralConv2D(_OrthogonalKernelMixin, DPLayer, keras.layers.Layer):
     def build(self, input_shape):
         if len(input_shape) != 4:
             raise ValueError(f"{self.name} expects (batch, H, W, C) inputs, got {input_shape}")
-        self.kernel = self.add_weight(
-            name="kernel",
-            shape=self.kernel_size + (input_shape[-1], self.filters),
-            initializer=self.kernel_initializer,
-            constraint=self._kernel_constraint(self.factor),
-        )
-        self._project_initial_kernel()
+        self.kernel = self._add_kernel(self.kernel_size + (input_shape[-1], self.filters), self.factor)
 
     def call(self, inputs):
         return ops.conv(inputs, self.kernel, strides=self.strides, padding=self.padding)

@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from kdp.layers.base import DPLayer, serializable
-from kdp.layers.constraints import OrthogonalProjection, full_projection, project
+from kdp.layers.constraints import OrthogonalProjection, full_projection, projected_initializer
 
 #: Björck steps of `DP_SpectralDense` / `DP_SpectralConv2D` per projection.
 FULL_ITERATIONS = 15
@@ -30,10 +30,14 @@ class _OrthogonalKernelMixin:
             return OrthogonalProjection(iterations=1, scale=scale)
         return OrthogonalProjection(FULL_ITERATIONS, FULL_TOLERANCE, scale)
 
-    def _project_initial_kernel(self):
-        # Certify the initial kernel too: run the full projection once.
-        full = full_projection(FULL_ITERATIONS, FULL_TOLERANCE, self.kernel.constraint.scale)
-        self.kernel.assign(project(full, self.kernel.value))
+    def _add_kernel(self, shape, scale):
+        """The kernel variable: drawn by ``kernel_initializer`` and certified by one
+        full projection (`kdp.layers.constraints.projected_initializer`), then kept
+        certified by the constraint of ``scale`` after every update."""
+        full = full_projection(FULL_ITERATIONS, FULL_TOLERANCE, scale)
+        return self.add_weight(
+            name="kernel", shape=shape, initializer=projected_initializer(self.kernel_initializer, full),
+            constraint=self._kernel_constraint(scale))
 
 
 @serializable
@@ -63,13 +67,7 @@ class DP_SpectralDense(_OrthogonalKernelMixin, DPLayer, keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
 
     def build(self, input_shape):
-        self.kernel = self.add_weight(
-            name="kernel",
-            shape=(input_shape[-1], self.units),
-            initializer=self.kernel_initializer,
-            constraint=self._kernel_constraint(1.0),
-        )
-        self._project_initial_kernel()
+        self.kernel = self._add_kernel((input_shape[-1], self.units), 1.0)
 
     def call(self, inputs):
         return ops.matmul(inputs, self.kernel)
