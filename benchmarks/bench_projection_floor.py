@@ -15,8 +15,8 @@ the script once per backend):
   and `DP_ReLU`, per-layer noise, Poisson batches (three padded sizes),
   τ-cross-entropy: the whole private step, as ``fit`` runs it.
 
-``noise`` is the time of the Gaussian draw alone (one per trainable variable,
-the shapes of the kdp model, a compiled function): the part of ``kdp − floor``
+``noise`` is the time of the Gaussian draw alone (one draw of the kdp model's
+coordinates, a compiled function): the part of ``kdp − floor``
 that no step adding calibrated noise can avoid.
 
 Networks: the MLP 784→512→512→10 and the small convnet
@@ -42,6 +42,7 @@ so a single fit would compare the kinds at different points of that growth.
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -141,25 +142,20 @@ class Trainer:
 
 
 def noise_draw(shapes):
-    """A compiled function drawing one standard Gaussian per variable of ``shapes``."""
+    """A compiled function drawing one standard Gaussian per coordinate of
+    ``shapes``, in one draw as kdp does (`kdp.training.objective.noise_term`)."""
+    size = sum(math.prod(s) for s in shapes)
     if keras.backend.backend() == "jax":
         import jax
 
-        @jax.jit
-        def draw(key):
-            keys = jax.random.split(key, len(shapes))
-            return [jax.random.normal(k, s) for k, s in zip(keys, shapes)]
-
+        draw = jax.jit(lambda key: jax.random.normal(key, (size,)))
         key = jax.random.PRNGKey(0)
         return lambda: jax.block_until_ready(draw(key))
     import tensorflow as tf
 
-    @tf.function
-    def draw(seed):
-        return [tf.random.stateless_normal(s, seed + i) for i, s in enumerate(shapes)]
-
+    draw = tf.function(lambda seed: tf.random.stateless_normal((size,), seed))
     seed = tf.constant([1, 2], "int32")
-    return lambda: [t.numpy() for t in draw(seed)][0]
+    return lambda: draw(seed).numpy()
 
 
 def time_noise(trainer, rounds, repeats=20):
