@@ -83,7 +83,7 @@ def projected_initializer(initializer, projection):
     compiled program per initializer configuration, shape and projection, whose
     input is the seed (`_initial_program`): eagerly, JAX compiles and keeps one
     XLA executable per operation and shape (an orthogonal draw is seven of them,
-    ≈ 30 MB of resident memory for the 784→512→512→10 MLP). Any other
+    ≈ 40 MB of resident memory for the 784→512→512→10 MLP). Any other
     initializer, or one seeded by a `keras.random.SeedGenerator` (whose state a
     compiled program cannot advance), runs eagerly, then `project`.
     """
