@@ -34,7 +34,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kdp import accounting
+from kdp import privacy
 from kdp.training import budget
 from kdp.training.ledger import quantile_mechanism
 from kdp.training.seeds import numpy_generator
@@ -243,11 +243,11 @@ class AdaptiveQuantileClipping(keras.callbacks.Callback):
         during ``fit``, those already made are in the ledger)."""
         if self.public:
             return []
-        default = budget.privacy_spec(self._model)["steps_per_epoch"]
+        default = self._model.step_plan().steps_per_epoch
         period = self.patience * (self._steps_per_epoch(default) if self.every == "epoch" else 1)
         done, made = (self._fit_step, self._made) if self._in_fit else (0, 0)
         count = max(0, -(-(done + int(steps)) // period) - made)
-        return [accounting.quantile_event(self.noise_multiplier, self.sampling_rate, count)]
+        return [privacy.quantile_event(self.noise_multiplier, self.sampling_rate, count)]
 
     # -- the mechanism ------------------------------------------------------------------
     def _generator(self):

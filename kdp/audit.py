@@ -17,10 +17,9 @@ import keras
 import numpy as np
 from scipy import stats
 
-from kdp import accounting
+from kdp import privacy
 from kdp.autodiff import gradient, per_example_gradients
 from kdp.bounds import compute_gradient_bounds
-from kdp.training.budget import batch_mechanism
 
 # --- bounds ----------------------------------------------------------------------
 
@@ -101,7 +100,7 @@ def noise_draws(model, x, y, trials):
     y_pred = model(x)
     metrics = [v.value for v in model.metrics_variables]
     draws = {v.path: [] for v in model.trainable_variables}
-    with model.privacy_gate.spend(batch_mechanism(model.privacy_spec()), trials):
+    with model.privacy_gate.spend(model.step_plan().batch_mechanism, trials):
         _draw(model, x, y, y_pred, zeros, metrics, trials, draws)
     return {path: np.stack(d) for path, d in draws.items()}
 
@@ -239,7 +238,7 @@ def membership_audit(model, canary_x, canary_y, trials=400, confidence=0.95, see
     delta = model.dp_parameters.delta
     return {
         "epsilon_lower_bound": epsilon_lower_bound(tp, pos, fp, neg, delta, confidence),
-        "epsilon_claimed": accounting.compute_epsilon(model.effective_noise_multiplier(), 1.0, 1, delta),
+        "epsilon_claimed": privacy.compute_epsilon(model.effective_noise_multiplier(), 1.0, 1, delta),
         "delta": delta,
         "tpr": tp / pos,
         "fpr": fp / neg,

@@ -6,6 +6,7 @@ gradient of an arbitrary function, which Keras does not expose: it lives here.
 """
 
 import keras
+import numpy as np
 
 from kdp.layers.clip import per_example_units
 
@@ -50,6 +51,38 @@ def compile_function(fn):
 
         return tf.function(fn)
     return fn
+
+
+def host_check(check, after):
+    """A float32 scalar ``1`` that calls ``check()`` on the host **each time** the
+    compiled computation containing it executes (not once when it is traced),
+    after the tensor ``after`` is computed (TensorFlow may otherwise run it
+    before the step's input is read; a JAX step's inputs already exist).
+
+    If ``check`` raises, that execution fails (JAX: `JaxRuntimeError`, TensorFlow:
+    an `OpError`, each carrying the message) and returns nothing. Multiply a
+    result by the scalar so that the engine cannot prune the call. JAX runs it
+    with `jax.experimental.io_callback` (not deduplicated, not cached), TensorFlow
+    with `tf.numpy_function` (not compilable by XLA: kdp's TensorFlow steps run
+    without ``jit_compile``)."""
+    def call():
+        check()
+        return np.ones((), "float32")
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        from jax.experimental import io_callback
+
+        return io_callback(call, jax.ShapeDtypeStruct((), "float32"), ordered=False)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        value = tf.numpy_function(lambda _: call(), [tf.stop_gradient(after)], tf.float32,
+                                  stateful=True)
+        value.set_shape(())
+        return value
+    return keras.ops.convert_to_tensor(call())
 
 
 def trace_shapes(fn, shape, dtype):

@@ -126,10 +126,10 @@ def pick_epochs(target_epsilon, sampling_rate, steps_per_epoch, delta, noise_mul
                 max_epochs):
     """Epochs at a given σ: as many as the budget allows, at most ``max_epochs``
     (0 if not even one fits). Depends only on public quantities."""
-    from kdp import accounting
+    from kdp import privacy
 
-    steps = accounting.max_steps(target_epsilon, noise_multiplier, sampling_rate, delta,
-                                 unit=steps_per_epoch)
+    steps = privacy.max_steps(target_epsilon, noise_multiplier, sampling_rate, delta,
+                              unit=steps_per_epoch)
     return min(steps // steps_per_epoch, max_epochs)
 
 
@@ -205,7 +205,7 @@ def run_demo(args):
     start = time.perf_counter()
     import keras
 
-    from kdp import accounting, recipes
+    from kdp import privacy, recipes
     from kdp.datasets import load_dataset
 
     (x_train, y_train), (x_test, y_test), md = load_dataset(args.dataset, batch_size=1)
@@ -225,7 +225,7 @@ def run_demo(args):
                 raise SystemExit(
                     f"kdp demo: error: sigma={sigma} cannot train one epoch within "
                     f"epsilon={args.epsilon}; raise --noise-multiplier or --epsilon")
-        planned = accounting.compute_epsilon(sigma, q, epochs * spe, args.delta)
+        planned = privacy.compute_epsilon(sigma, q, epochs * spe, args.delta)
         if planned > args.epsilon * (1 + 1e-6):
             raise SystemExit(
                 f"kdp demo: error: {epochs} epochs at sigma={sigma:g} cost epsilon={planned:.3f} "
@@ -235,7 +235,7 @@ def run_demo(args):
     model = recipe.build(seed=0)  # the seed is for initialisation only (noise: OS entropy)
     if sigma is not None:  # a σ given by hand: the target stays the budget
         model.dp_parameters = model.dp_parameters.replace(noise_multiplier=sigma)
-    sigma = model.dp_parameters.noise_multiplier
+    sigma = model.step_plan().noise_multiplier
     print(
         f"kdp demo: {args.dataset} (N={n}, {md.nb_classes} classes), target epsilon={args.epsilon:g}, "
         f"delta={args.delta:g}: {recipe.method}, {epochs} epochs x {spe} steps, b={md.batch_size}, "

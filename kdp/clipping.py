@@ -91,13 +91,6 @@ def total_clipping_norm(dp_parameters):
     return math.sqrt(sum(v * v for v in c.values())) if isinstance(c, dict) else float(c)
 
 
-def noise_stds(model):
-    """``{variable.path: σ·C/b}`` for every trainable variable."""
-    params = model.dp_parameters
-    std = params.noise_multiplier * total_clipping_norm(params) / model.dataset_metadata.batch_size
-    return {v.path: std for v in model.trainable_variables}
-
-
 # --- model inspection -----------------------------------------------------------------
 
 

@@ -224,6 +224,17 @@ def first_local_batch(model, batch):
     return tree.map_structure(lambda v: strategy.experimental_local_results(v)[0], batch)
 
 
+def build_inputs(model, iterator, data_batch):
+    """``(iterator, data_batch)`` for Keras' symbolic build: on several processes
+    (TensorFlow) the first local batch instead of the iterator, whose nested
+    per-replica batch Keras 3 fails to reduce over workers (`first_local_batch`)."""
+    if iterator is None or process_count(model) <= 1:
+        return iterator, data_batch
+    for _, _, batches in iterator:
+        return None, first_local_batch(model, next(batches))
+    return None, data_batch
+
+
 def logs_for_reduction(model, logs):
     """The step's logs in a shape Keras 3 can reduce over several workers.
 

@@ -99,7 +99,7 @@ class Recipe:
         initialisation only (the noise always uses the OS entropy)."""
         import keras
 
-        import kdp
+        from kdp.model import DP_Sequential, DPParameters
 
         if seed is not None:
             keras.utils.set_random_seed(seed)
@@ -110,9 +110,8 @@ class Recipe:
             params["clipping_norm"] = self.clipping_norm
         else:
             params["noisify_strategy"] = "global"
-        model = kdp.DP_Sequential(layers, dp_parameters=kdp.DPParameters(**params),
-                                  dataset_metadata=self.metadata(),
-                                  name=f"dp_{self.method}_recipe")
+        model = DP_Sequential(layers, dp_parameters=DPParameters(**params),
+                              dataset_metadata=self.metadata(), name=f"dp_{self.method}_recipe")
         model.compile(optimizer=keras.optimizers.Adam(self.learning_rate), loss=loss,
                       metrics=["accuracy"])
         model.make_private(target_epsilon=self.target_epsilon, epochs=self.epochs)

@@ -26,7 +26,7 @@ import math
 import dp_accounting
 import numpy as np
 
-from kdp import accounting
+from kdp import privacy
 from kdp._quiet import quiet_dp_accounting
 from kdp.training.ledger import PrivacyLedger, event_mechanism, new_run_id
 from kdp.training.seeds import numpy_generator
@@ -73,7 +73,7 @@ class SearchResult:
 
     def epsilon(self, delta):
         """ε at ``delta`` of the ledger (prior releases and the search), RDP."""
-        return accounting.epsilon_of_events(self.ledger.events(), delta)
+        return privacy.epsilon_of_events(self.ledger.events(), delta)
 
     def __repr__(self):
         return (f"SearchResult(trials={self.trials}, score={self.score!r}, "
@@ -157,14 +157,14 @@ def calibrate_trial_noise(target_epsilon, delta, sampling_rate, steps, mean_tria
     mechanism, and ``accounting.training_event(σ, q, steps)`` is their ``trial_event``.
     """
     def search_event(sigma):
-        trial = accounting.training_event(sigma, sampling_rate, steps)
+        trial = privacy.training_event(sigma, sampling_rate, steps)
         return selection_event(_with_score(trial, score_noise_multiplier), mean_trials,
                                distribution, eta)
 
     if score_noise_multiplier is not None:
         scores = selection_event(dp_accounting.GaussianDpEvent(float(score_noise_multiplier)),
                                  mean_trials, distribution, eta)
-        floor = accounting.epsilon_of_events([scores], delta)
+        floor = privacy.epsilon_of_events([scores], delta)
         if floor >= target_epsilon:
             raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable: the scores "
                              f"alone cost ε={floor:.3g}; raise score_noise_multiplier or "
@@ -248,7 +248,7 @@ def private_search(train_trial, candidates, trial_event, *, mean_trials,
     per_trial = _with_score(trial_event,
                             score_noise_multiplier if validation_data is not None else None)
     event = selection_event(per_trial, mean_trials, distribution, eta)
-    bound = accounting.rdp_curve([trial_event])
+    bound = privacy.rdp_curve([trial_event])
     rng = numpy_generator() if rng is None else rng
     trials = sample_number_of_trials(mean_trials, distribution, eta, rng)
 
@@ -260,12 +260,12 @@ def private_search(train_trial, candidates, trial_event, *, mean_trials,
         if not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"train_trial must return a kdp DP model, got {model!r}")
         ran = ran.merge(ledger)
-        curve = accounting.rdp_curve(ledger.events())
+        curve = privacy.rdp_curve(ledger.events())
         if np.any(curve > bound * (1 + _RDP_SLACK) + 1e-12):
             worst = int(np.argmax(curve - bound))
             raise TrialBudgetError(
                 f"a trial (candidate {candidate!r}) spent more than the declared trial_event "
-                f"(RDP at order {accounting.RDP_ORDERS[worst]:g}: {curve[worst]:.4g} > "
+                f"(RDP at order {privacy.RDP_ORDERS[worst]:g}: {curve[worst]:.4g} > "
                 f"{bound[worst]:.4g}), so the search's theorem does not "
                 "apply. error.ledger composes every trial run so far with the prior ledger "
                 "(the honest account). Declare a trial_event that bounds every candidate.",

@@ -17,7 +17,6 @@ from kdp import audit, clipping
 from kdp.autodiff import gradient
 from kdp.model import DP_Model, DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
-from kdp.training.budget import batch_mechanism
 
 N, BATCH = 200, 16
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -164,7 +163,7 @@ def _objective_gradient(model, x, y, w):
                                                sample_weight=w, training=True)
         return loss
 
-    with model.privacy_gate.spend(batch_mechanism(model.privacy_spec())):
+    with model.privacy_gate.spend(model.step_plan().batch_mechanism):
         return gradient(objective, *[v.value for v in model.trainable_variables])
 
 

@@ -25,6 +25,10 @@ the real `fit` path:
   step any process completed (also when the dead process is process 0, which
   writes the journal);
 * README's "Training on several machines" script, launched on 2 processes.
+
+The handshake (`ProcessGroup.join`) and its refusals are tested in this
+process, against a stand-in for the collective: threads that gather each
+other's arrays (`_simulate`), or one process whose peers echo its own record.
 """
 
 import json
@@ -34,6 +38,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -386,6 +391,8 @@ def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path):
     for r in survivors:
         if r in results:  # kdp's error
             assert "training stopped on process" in results[r]["error"], results[r]
+            if ENGINE == "tensorflow":  # the engine's cause past its first line: which task failed
+                assert "task:" in results[r]["error"], results[r]
         else:  # process 0 hosted JAX's coordination service: JAX itself may end the others
             log = (tmp_path / f"log-{r}.txt").read_text()
             assert ENGINE == "jax" and doomed == 0, _tail(tmp_path, processes)
@@ -404,12 +411,14 @@ def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path):
 
 def _group_with(others):
     """A `ProcessGroup` of 1 + len(others) processes whose exchange returns this
-    process's record followed by ``others(record)``."""
+    process's record followed by ``others(record)``, and whose other gathers
+    return this process's array on every process (its peers hold what it holds)."""
     from kdp.training.processes import ProcessGroup
 
     model = build(seed=1)
     group = ProcessGroup(model, 1 + len(others), 0)
     group.exchange = lambda record: [record] + [edit(json.loads(json.dumps(record))) for edit in others]
+    group.allgather = lambda array: np.stack([array] * group.count)
     return model, group
 
 
@@ -418,6 +427,54 @@ def _rows(n):
         record["rows"] = n
         return record
     return edit
+
+
+def _simulate(shards, configure=None):
+    """``ProcessGroup.join`` run by ``len(shards)`` processes at once, as threads
+    gathering each other's arrays (the real exchange, keys and digests); process
+    ``p`` holds the records ``shards[p]`` (indices into `data`), all the same
+    model. ``configure(p, group)`` may change a process before it joins.
+    Returns each process's outcome: the error it raised, or its group."""
+    from kdp.training.processes import ProcessGroup
+
+    model = build(seed=1)
+    x, y = data()
+    count = len(shards)
+    slots, barrier = [None] * count, threading.Barrier(count, timeout=60)
+    outcomes = [None] * count
+
+    def allgather(p, array):
+        slots[p] = np.asarray(array)
+        barrier.wait()
+        gathered = np.stack(slots)
+        barrier.wait()
+        return gathered
+
+    def run(p):
+        group = ProcessGroup(model, count, p)
+        group.allgather = lambda array: allgather(p, array)
+        if configure is not None:
+            configure(p, group)
+        rows = np.asarray(shards[p])
+        try:
+            group.join(len(rows), shard=(x[rows], y[rows], np.ones(len(rows), "float32")))
+            outcomes[p] = group
+        except Exception as e:  # noqa: BLE001 (compared below)
+            outcomes[p] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return model, outcomes
+
+
+def _same_refusal(outcomes):
+    """The one error every process raised (they must all raise it)."""
+    assert all(isinstance(o, ValueError) for o in outcomes), outcomes
+    assert len({str(o) for o in outcomes}) == 1, outcomes
+    return str(outcomes[0])
 
 
 def test_handshake_accepts_shards_that_cover_the_dataset_and_merges_ledgers():
@@ -455,15 +512,91 @@ def test_handshake_reports_another_process_refusal_on_every_process():
         group.join(N // 2)
 
 
-def test_handshake_refuses_different_configurations():
+def test_handshake_refuses_different_configurations_naming_process_and_values():
     def other_noise(record):
         record["rows"] = N // 2
         record["config"]["dp_parameters"]["noise_multiplier"] = 9.0
         return record
 
-    _, group = _group_with([other_noise])
-    with pytest.raises(ValueError, match="disagree on dp_parameters"):
+    model, group = _group_with([other_noise])
+    mine = model.dp_parameters.get_config()["noise_multiplier"]
+    with pytest.raises(ValueError, match=re.escape(
+            f"process 1 has dp_parameters.noise_multiplier=9.0, process 0 has {json.dumps(mine)}")):
         group.join(N // 2)
+    assert model.privacy_ledger.training_steps() == 0
+
+
+def test_every_process_names_the_same_configuration_difference():
+    def configure(p, group):
+        if p == 2:
+            config = group._configuration()
+            group._configuration = lambda: dict(config, local_replicas=2)
+
+    _, outcomes = _simulate([range(0, 80), range(80, 160), range(160, N)], configure)
+    message = _same_refusal(outcomes)
+    assert "the processes' configurations differ: process 2 has local_replicas=2, process 0 has 1" \
+        in message, message
+
+
+@pytest.mark.parametrize("shards,pair,shared", [
+    ([range(0, 128), range(0, 128)], (0, 1), 128),               # N rows in all, twice the same
+    ([range(0, 160), range(96, N)], (0, 1), 64),                 # overlapping ranges
+    ([range(0, 80), range(80, 170), range(160, N)], (1, 2), 10),  # 3 processes, the last two
+], ids=["same-shard", "overlap", "3proc"])
+def test_handshake_refuses_overlapping_shards_on_every_process(shards, pair, shared):
+    model, outcomes = _simulate(shards)
+    message = _same_refusal(outcomes)
+    assert f"processes {pair[0]} and {pair[1]} of {len(shards)} hold {shared} identical records" \
+        in message, message
+    assert model.privacy_ledger.training_steps() == 0
+
+
+def test_handshake_accepts_disjoint_shards_and_duplicates_within_one():
+    """The negative control: disjoint shards pass, also when one shard holds the
+    same row twice (identical rows within a dataset can be distinct records)."""
+    order = np.random.default_rng(1).permutation(N)
+    shards = [order[:100].copy(), order[100:]]
+    shards[0][1] = shards[0][0]  # record order[0] twice on process 0, order[1] nowhere
+    model, outcomes = _simulate(shards)
+    assert not any(isinstance(o, Exception) for o in outcomes), outcomes
+    assert all(o.rows == [100, N - 100] for o in outcomes)
+    assert len({o.run for o in outcomes}) == 1
+
+
+def test_overlapping_shards_are_refused_by_fit_before_any_step(monkeypatch):
+    """Through `fit`: process 1 (a stand-in) holds this process's records; the
+    handshake refuses them, nothing is spent and the weights do not move. (`fit`
+    must pass its validated shard to `ProcessGroup.join`.)"""
+    from kdp.training.processes import ProcessGroup
+
+    model = build(seed=1)
+    x, y = data()
+    group = ProcessGroup(model, 2, 0)
+    group.allgather = lambda array: np.stack([array, array])
+    monkeypatch.setattr(ProcessGroup, "of", classmethod(lambda cls, m: group if m is model else None))
+    before = [np.array(v) for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="processes 0 and 1 of 2 hold 128 identical records"):
+        model.fit(x[:N // 2], y[:N // 2], epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 0
+    assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables))
+
+
+def test_a_failed_step_keeps_the_engine_cause():
+    """TensorFlow's error: every line of its cause, not its traceback."""
+    model, group = _group_with([_rows(N // 2)])
+    group.join(N // 2)
+    cause = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent "
+             "call last):\n  File \"train.py\", line 39, in <module>\n\nCollective ops is aborted "
+             "by: Error reported from /job:worker/task:1: The following tasks are unhealthy (stopped "
+             "sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed.\n"
+             "\t [[{{node CollectiveReduceV2}}]] [Op:__inference_multi_step_on_iterator_1346]")
+    message = str(group.failure(RuntimeError(cause), None))
+    assert ("RuntimeError: Graph execution error: Collective ops is aborted by: Error reported from "
+            "/job:worker/task:1: The following tasks are unhealthy (stopped sending heartbeats): "
+            "/job:worker/replica:0/task:1 The tasks have crashed. [[{{node CollectiveReduceV2}}]]"
+            ) in message, message
+    assert "train.py" not in message
+    assert len(str(group.failure(RuntimeError("x" * 10_000), None))) < 2000
 
 
 def test_diverging_ledgers_stop_training():
@@ -498,16 +631,46 @@ def test_releases_on_several_processes_outside_fit_are_refused(monkeypatch):
     assert model.privacy_ledger.to_json() == before
 
 
+def _readme_script():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Training on several machines", 1)[1]
+    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert script.startswith("# train.py")
+    return script
+
+
+def test_readme_script_refuses_a_missing_or_wrong_rank(monkeypatch):
+    """README's script, run in this process: without KDP_RANK (and on TensorFlow
+    with a rank other than TF_CONFIG's task index) it stops before joining."""
+    import keras
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the script went on to start a multi-process run")
+
+    monkeypatch.setattr(keras.distribution, "initialize", must_not_start)
+    if ENGINE == "tensorflow":
+        import tensorflow as tf
+
+        monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy", must_not_start)
+    script = compile(_readme_script(), "train.py", "exec")
+    monkeypatch.setenv("KDP_PROCESSES", "2")
+    monkeypatch.delenv("KDP_RANK", raising=False)
+    with pytest.raises(SystemExit, match="set KDP_RANK"):
+        exec(script, {"__name__": "__main__"})
+    if ENGINE == "tensorflow":
+        monkeypatch.setenv("KDP_RANK", "1")
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                    "task": {"type": "worker", "index": 0}}))
+        with pytest.raises(SystemExit, match="KDP_RANK=1 but TF_CONFIG's task index is 0"):
+            exec(script, {"__name__": "__main__"})
+
+
 def test_readme_script_on_two_processes(tmp_path):
     """README, "Training on several machines": its script, launched as the
     README says, trains on 2 processes with the same ε, within the target."""
     from kdp.training.ledger import LedgerJournal
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Training on several machines", 1)[1]
-    script = section.split("```python\n", 1)[1].split("```", 1)[0]
-    assert script.startswith("# train.py")
-    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "train.py").write_text(_readme_script())
     _, codes = launch(2, "readme", tmp_path, script=tmp_path / "train.py")
     assert codes == [0, 0], _tail(tmp_path, 2)
     lines = [re.search(r"process (\d) of 2: epsilon ([0-9.]+)", (tmp_path / f"log-{r}.txt").read_text())

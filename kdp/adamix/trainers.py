@@ -209,10 +209,7 @@ class AdaMix(LinearHeadTrainer):
             raise ValueError(f"delta must be in (0, 1), got {delta}")
         super().__init__(num_classes, normalize=normalize, seed=seed, delta=delta,
                          epsilon_max=epsilon_max)
-        if seed is not None and not reproducible:
-            raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
-        if reproducible and seed is None:
-            raise ValueError("reproducible=True needs an explicit seed")
+        seeds.check_seed(reproducible, seed)
         self.reproducible = bool(reproducible)
         if (epsilon is None) == (steps is None):
             raise ValueError("give exactly one of epsilon and steps")
@@ -296,7 +293,7 @@ class AdaMix(LinearHeadTrainer):
         if self.delta >= 1.0 / max(n_pri, 1):
             raise ValueError(f"delta={self.delta} must be < 1/N_private = {1.0 / n_pri:.3g}")
         mechanism = self.step_mechanism()
-        self.privacy_gate.check(mechanism, self.steps)  # the whole run, before anything runs
+        self.privacy_gate.begin_run(mechanism, self.steps)  # the whole run, before anything runs
         self._build(dim)
         w = ops.zeros((dim, self.num_classes))
         if self.pretrain_steps and x_pub is not None:
@@ -306,7 +303,6 @@ class AdaMix(LinearHeadTrainer):
         center = self._center(dim)
         seed_gen = seeds.seed_generator(self.reproducible, self.seed)
         self.per_instance = PerInstanceLedger(n_pri) if self.track_per_instance else None
-        self.privacy_gate.start_run()
         w_avg = w
         for t in range(1, self.steps + 1):
             tau, u, g_pub, rank = self.public_statistics(w, x_pub, y_pub)
@@ -442,8 +438,9 @@ class NonPrivate(LinearHeadTrainer):
             x, y = ops.concatenate([x, x_pub], 0), ops.concatenate([y, y_pub], 0)
         self._build(int(x.shape[1]))
         lr = self.learning_rate or 2.0 / int(x.shape[0])
-        self.privacy_gate.start_run()
-        with self.privacy_gate.spend(event_mechanism(dp_accounting.NonPrivateDpEvent())):
+        mechanism = event_mechanism(dp_accounting.NonPrivateDpEvent())
+        self.privacy_gate.begin_run(mechanism)
+        with self.privacy_gate.spend(mechanism):
             w = self._gd(ops.zeros((int(x.shape[1]), self.num_classes)), x, y, self.steps, lr,
                          self.weight_decay)
         self.head.kernel.assign(w)

@@ -95,13 +95,14 @@ def finetune_head(encoder, x_train, y_train, nb_classes, loss=None, epochs=5, ba
     """
     import keras
 
-    from kdp.contrastive.trainer import check_seed
     from kdp.layers import DP_BoundedInput, DP_SpectralDense
     from kdp.losses import DP_TauCategoricalCrossentropy
     from kdp.model import DP_Sequential, DPParameters
     from kdp.pipeline import DatasetMetadata
 
-    check_seed(reproducible, seed)
+    from kdp.training import seeds
+
+    seeds.check_seed(reproducible, seed)
     e_train = embed(encoder, x_train, loss)
     d = e_train.shape[1]
     bound = loss.embedding_norm_bound() if loss is not None else 1.0

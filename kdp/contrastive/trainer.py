@@ -70,7 +70,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kdp import accounting
+from kdp import privacy
 from kdp.autodiff import compile_function
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import PairGradients, clipless_pair_bound
@@ -133,7 +133,7 @@ class ContrastiveTrainer:
             raise ValueError("give noise_multiplier= or target_epsilon=")
         if noise_multiplier is not None and not noise_multiplier > 0:
             raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
-        check_seed(reproducible, seed)
+        seeds.check_seed(reproducible, seed)
         self.engine = PairGradients(encoder, loss, block_rows=block_rows, method=norm_method)
         self.encoder, self.loss, self.strategy = encoder, loss, strategy
         self.batch_size = int(batch_size)
@@ -258,7 +258,7 @@ class ContrastiveTrainer:
         self.nb_pairs = n
         steps = steps_per_epoch or math.ceil(n / self.batch_size)
         if self.strategy != "non-private" and self.noise_multiplier is None:
-            self.noise_multiplier = accounting.calibrate_noise_multiplier(
+            self.noise_multiplier = privacy.calibrate_noise_multiplier(
                 self.target_epsilon, self.sampling_rate, epochs * steps, self.delta)
         self._check_independence(x[: min(n, 4)])
         return x, xp, steps
@@ -289,10 +289,7 @@ class ContrastiveTrainer:
         """
         x, xp, steps = self._prepare(x, xp, epochs, steps_per_epoch)
         mechanism = self.step_mechanism()
-        self.privacy_gate.check(mechanism, epochs * steps)  # before anything runs
-        self.privacy_gate.start_run()
-        if not self.reproducible:
-            seeds.reseed(self._noise_seed)  # never replay the noise of an earlier fit
+        self.privacy_gate.begin_run(mechanism, epochs * steps, self._noise_seed, self.reproducible)
         sampler = PoissonBatches(x, xp, self.batch_size, steps_per_epoch=steps,
                                  seed=self._draw_seed(1) if self.reproducible else None)
         history = {"loss": [], "epsilon": [], "step_loss": []}
@@ -333,15 +330,6 @@ class ContrastiveTrainer:
             "delta": self.delta, "steps": sum(e["count"] for e in self.privacy_ledger.entries),
             "accountant": "rdp, Poisson sampling, add/remove one pair",
         }
-
-
-def check_seed(reproducible, seed):
-    """Refuse a seed without ``reproducible=True``, and ``reproducible=True``
-    without a seed: a fixed seed lets anyone replay the noise and subtract it."""
-    if seed is not None and not reproducible:
-        raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
-    if reproducible and seed is None:
-        raise ValueError("reproducible=True needs an explicit seed (tests only)")
 
 
 __all__ = ["ContrastiveTrainer", "STRATEGIES", "SENSITIVITY_SIZES"]

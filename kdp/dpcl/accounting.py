@@ -17,7 +17,7 @@ reproduce the paper's σ table (§5.2–5.3).
 justified:** they all read the *same* batch, so the step is one subsampled
 mechanism whose inner part is the composition of the Gaussians, i.e. one
 Gaussian with ``σ_eff = (Σ_m σ_m^-2)^(-1/2)`` (the rule kdp uses for per-layer
-noise, `kdp.accounting.effective_noise_multiplier`). Subsampling each separately treats them as if they saw
+noise, `kdp.privacy.effective_noise_multiplier`). Subsampling each separately treats them as if they saw
 independent batches and under-counts, by orders of magnitude at the paper's
 σ ≈ 0.4. `step_event(..., composition="joint")` (the default) is the sound
 event; ``composition="separate"`` is the paper's, kept to reproduce it.
@@ -27,14 +27,12 @@ Events are `dp_accounting` events: ``SampledWithoutReplacementDpEvent`` under
 ``PoissonSampledDpEvent`` under ``ADD_OR_REMOVE_ONE`` (kdp's default; the
 mechanisms' add/remove sensitivities then apply, see `kdp.dpcl.mechanisms`).
 
-`ReplaceOneGate` is the `kdp.training.PrivacyGate` of `DPCLTrainer`: kdp's
-accountant composes under add/remove only, which has no bound for sampling
-without replacement, so this gate composes its ledger under replace-one with
-dp-accounting's RDP accountant (Wang, Balle and Kasiviswanathan 2019).
+`DPCLTrainer`'s gate is a `kdp.training.PrivacyGate` with
+``neighboring=REPLACE_ONE``: add/remove-one has no bound for sampling without
+replacement, so its ledger is composed under replace-one by dp-accounting's RDP
+accountant (Wang, Balle and Kasiviswanathan 2019), at `kdp.privacy.REPLACE_ONE_ORDERS`.
 """
 
-import functools
-import json
 import math
 
 import dp_accounting
@@ -43,17 +41,14 @@ from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
 from scipy.special import gammaln
 
 from kdp._quiet import quiet_dp_accounting
-from kdp.accounting import event_from_config, event_to_config, largest_count
-from kdp.training.gate import PrivacyGate
-from kdp.training.ledger import mechanism_event
+from kdp.privacy import REPLACE_ONE_ORDERS
 
 SAMPLINGS = ("without-replacement", "poisson")
 COMPOSITIONS = ("joint", "separate")
 #: the orders of the paper's computation (integer α from 2 to 63: they reproduce its σ table).
 PAPER_ORDERS = tuple(range(2, 64))
-#: default orders of `epsilon` (dp-accounting's defaults cost O(α²) each up to 256 under
-#: sampling without replacement; beyond 128 they never win at ε ≤ 100 here).
-ORDERS = (1.25, 1.5, 1.75) + tuple(float(a) for a in range(2, 65)) + (80.0, 96.0, 128.0)
+#: default orders of `epsilon`: those of kdp's replace-one RDP accountant.
+ORDERS = REPLACE_ONE_ORDERS
 
 NeighborRel = dp_accounting.NeighboringRelation
 
@@ -138,68 +133,6 @@ def calibrate(target_epsilon, steps, delta, make_event, sampling="without-replac
     return hi
 
 
-# -- the ledger of a DPCL trainer -------------------------------------------------------------
-@functools.lru_cache(maxsize=256)
-def _unit_rdp(event_json):
-    _, rdp = step_rdp(_event(event_json))
-    rdp.setflags(write=False)
-    return rdp
-
-
-def _event(event_json):
-    return event_from_config(json.loads(event_json))
-
-
-def ledger_rdp(events):
-    """The replace-one RDP curve (at `ORDERS`) of the composition of ``events``."""
-    total = np.zeros(len(ORDERS))
-    for event in events:
-        count = 1
-        while isinstance(event, dp_accounting.SelfComposedDpEvent):
-            count, event = count * event.count, event.event
-        if count == 0 or isinstance(event, dp_accounting.NoOpDpEvent):
-            continue
-        total = total + count * _unit_rdp(json.dumps(event_to_config(event), sort_keys=True))
-    return total
-
-
-def ledger_epsilon(events, delta, accountant="rdp"):
-    """ε at ``delta`` of ``events`` composed under replace-one (RDP only: dp-accounting's
-    PLD accountant does not analyse sampling without replacement)."""
-    if accountant != "rdp":
-        raise ValueError(f"DPCL's ledger is accounted with 'rdp' only, got {accountant!r}")
-    return float(_rdp_lib.compute_epsilon(np.asarray(ORDERS), ledger_rdp(events), delta)[0])
-
-
-class ReplaceOneGate(PrivacyGate):
-    """A `kdp.training.PrivacyGate` whose ledger and budgets are composed under
-    replace-one adjacency (`ledger_epsilon`); see the module docstring."""
-
-    def privacy_spent(self, accountant="rdp"):
-        return ledger_epsilon(self.ledger.events(), self.delta, accountant), self.delta
-
-    def remaining(self, mechanism):
-        budgets = self.budgets()
-        if not budgets:
-            return math.inf
-        spent = ledger_rdp(self.ledger.events())
-        unit = ledger_rdp([mechanism_event(mechanism, 1)])
-        orders = np.asarray(ORDERS)
-
-        def fits(n, eps_max):
-            return _rdp_lib.compute_epsilon(orders, spent + n * unit, self.delta)[0] <= eps_max
-
-        allowed = math.inf
-        for eps_max, accountant in budgets:
-            if accountant != "rdp":
-                raise ValueError(f"DPCL budgets are accounted with 'rdp' only, got {accountant!r}")
-            if not fits(0, eps_max):
-                return 0
-            if np.any(unit > 0):
-                allowed = min(allowed, largest_count(lambda n, e=eps_max: fits(n, e)))
-        return allowed
-
-
 # -- the paper's own computation (independent of dp-accounting) -----------------------------
 def _log_comb(n, k):
     return gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)
@@ -265,8 +198,7 @@ PAPER_SETTING = dict(dataset_size=50000, batch_size=128, delta=1e-5, epsilon=100
 
 
 __all__ = [
-    "COMPOSITIONS", "PAPER_ORDERS", "PAPER_SETTING", "PAPER_TABLE", "ReplaceOneGate", "SAMPLINGS",
-    "balle_conversion", "calibrate", "calibrate_paper_sigma", "epsilon", "ledger_epsilon",
-    "ledger_rdp", "mironov_conversion", "paper_epsilon", "paper_rdp", "relation_of",
-    "step_event", "step_rdp",
+    "COMPOSITIONS", "PAPER_ORDERS", "PAPER_SETTING", "PAPER_TABLE", "SAMPLINGS", "balle_conversion",
+    "calibrate", "calibrate_paper_sigma", "epsilon", "mironov_conversion", "paper_epsilon",
+    "paper_rdp", "relation_of", "step_event", "step_rdp",
 ]

@@ -13,11 +13,12 @@ pairs ``(x_k, x'_k)`` (two views each):
 4. ``G̃ = (Σ_i clip_C(g_i) + 𝒩(0, (Δ_g σ_g)²)) / B`` to the optimizer.
 
 Every step runs inside the trainer's privacy gate (``privacy_gate``, a
-`kdp.dpcl.accounting.ReplaceOneGate`), which checks ``epsilon_max`` and records
-the step in ``privacy_ledger`` *before* it runs, as the sound joint
-`kdp.dpcl.accounting.step_event` of all its Gaussians; `privacy_spent` composes
-the ledger. ``composition="separate"`` (the paper's accounting, which
-**under-counts**) only changes the σ calibration and `composition_epsilon`.
+`kdp.training.PrivacyGate` under replace-one adjacency), which checks
+``epsilon_max`` and records the step in ``privacy_ledger`` *before* it runs, as
+the sound joint `kdp.dpcl.accounting.step_event` of all its Gaussians;
+`privacy_spent` composes the ledger. ``composition="separate"`` (the paper's
+accounting, which **under-counts**) only changes the σ calibration and
+`composition_epsilon`.
 Mode ``"as-published"`` relies on the paper's unproven ``Δ_g = 4C``
 (`kdp.dpcl.objectives`): its ε is **not** a proven guarantee, and the trainer
 warns. Noise and batches are drawn from 64 bits of OS entropy
@@ -35,11 +36,12 @@ from keras import ops
 from kdp.autodiff import compile_function
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import check_encoder
-from kdp.contrastive.trainer import check_seed
 from kdp.dpcl import accounting as A
 from kdp.dpcl.mechanisms import unit_rows
 from kdp.dpcl.objectives import Spec, gradient_sensitivity
+from kdp.privacy import REPLACE_ONE
 from kdp.training import seeds
+from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import event_mechanism
 
 AS_PUBLISHED_WARNING = (
@@ -77,7 +79,7 @@ class DPCLTrainer:
                  delta=1e-5, optimizer=None, composition="joint", reproducible=False, seed=None,
                  jit_compile=True, epsilon_max=None, **spec_kwargs):
         check_encoder(encoder)
-        check_seed(reproducible, seed)
+        seeds.check_seed(reproducible, seed)
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError("give noise_multiplier= or target_epsilon=")
         if not clip_norm > 0 or not math.isfinite(clip_norm):
@@ -98,8 +100,9 @@ class DPCLTrainer:
         self.reproducible = bool(reproducible)
         self.seed = int(seed) if reproducible else None
         self._noise_seed = seeds.seed_generator(self.reproducible, self.seed)
-        self.privacy_gate = A.ReplaceOneGate(self.delta, epsilon_max=epsilon_max,
-                                             name=f"DPCLTrainer({objective}, {mode})")
+        self.privacy_gate = PrivacyGate(self.delta, epsilon_max=epsilon_max,
+                                        name=f"DPCLTrainer({objective}, {mode})",
+                                        neighboring=REPLACE_ONE)  # sampling without replacement
         self.steps_taken, self.dataset_size = 0, None
         if noise_multiplier is not None:
             self._build_spec()
@@ -255,10 +258,7 @@ class DPCLTrainer:
         if self.spec is None:
             self._calibrate(epochs * steps)
         mechanism = self.step_mechanism()
-        self.privacy_gate.check(mechanism, epochs * steps)  # before anything runs
-        self.privacy_gate.start_run()
-        if not self.reproducible:
-            seeds.reseed(self._noise_seed)  # never replay the noise of an earlier fit
+        self.privacy_gate.begin_run(mechanism, epochs * steps, self._noise_seed, self.reproducible)
         rng = seeds.numpy_generator(self.reproducible, self.seed, 1)
         variables = self.encoder.trainable_variables
         history = {"loss": [], "true_loss": [], "epsilon": []}

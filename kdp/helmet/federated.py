@@ -30,15 +30,6 @@ from kdp.training.gate import PrivacyGate
 from kdp.training.ledger import event_mechanism
 
 
-def check_seed(reproducible, seed):
-    """Refuse a noise seed without ``reproducible=True`` (a fixed seed lets anyone
-    replay the noise and subtract it), and ``reproducible=True`` without a seed."""
-    if seed is not None and not reproducible:
-        raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
-    if reproducible and seed is None:
-        raise ValueError("reproducible=True needs an explicit seed (tests only)")
-
-
 def split_iid(n, num_users, seed=0):
     """Indices of ``n`` records shuffled and dealt into ``num_users`` near-equal parts
     (an experiment helper: the split itself is not a private release)."""
@@ -160,7 +151,7 @@ class FederatedSimulator:
         """
         if self.local is None:
             raise RuntimeError("call train() first")
-        check_seed(reproducible, seed)
+        seeds.check_seed(reproducible, seed)
         delta = self.privacy_gate.delta if delta is None else delta
         n = sum(self.sizes)
         if not (delta < 1.0 / n and self.privacy_gate.delta < 1.0 / n):
@@ -173,7 +164,7 @@ class FederatedSimulator:
         sigma = privacy.calibrate_sigma(eps, delta, k)
         agg = self.aggregate_sensitivity()
         event = dp_accounting.NonPrivateDpEvent() if noiseless else privacy.dp_event(sigma, k)
-        self.privacy_gate.start_run()
+        self.privacy_gate.begin_run(event_mechanism(event))
         with self.privacy_gate.spend(event_mechanism(event)):
             rng = seeds.numpy_generator(reproducible, seed)
             contributions = [

@@ -11,7 +11,6 @@ must be: it comes from `kdp.training.seeds` (64 bits of OS entropy) unless
 import numpy as np
 
 from kdp.helmet import privacy
-from kdp.helmet.federated import check_seed
 from kdp.helmet.trainer import SingleLayerTrainer
 from kdp.training import seeds
 from kdp.training.gate import PrivacyGate
@@ -26,7 +25,7 @@ def gaussian_output_perturbation(weights, sensitivity, sigma, seed=None, reprodu
     """
     if not (sensitivity > 0 and sigma > 0):
         raise ValueError("sensitivity and sigma must be > 0")
-    check_seed(reproducible, seed)
+    seeds.check_seed(reproducible, seed)
     rng = seeds.numpy_generator(reproducible, seed)
     weights = np.asarray(weights, dtype="float64")
     return weights + rng.normal(0.0, sigma * sensitivity, size=weights.shape)
@@ -45,14 +44,15 @@ def private_fit(X, y, config, num_classes, eps, delta, seed=None, group_size=1,
     n = len(X)
     if not delta < 1.0 / n:
         raise ValueError(f"delta={delta} must be < 1/n = {1.0 / n}")
-    check_seed(reproducible, seed)
+    seeds.check_seed(reproducible, seed)
     gate = privacy_gate if privacy_gate is not None else PrivacyGate(delta, name="private_fit")
     k = config.k_comp(num_classes)
     sigma = privacy.calibrate_sigma(eps, delta, k)
     s = config.sensitivity(n, group_size)
     f = SingleLayerTrainer(config).fit(X, y, num_classes, seed=seeds.draw_seed(reproducible, seed))
-    gate.start_run()
-    with gate.spend(event_mechanism(privacy.dp_event(sigma, k))):
+    mechanism = event_mechanism(privacy.dp_event(sigma, k))
+    gate.begin_run(mechanism)
+    with gate.spend(mechanism):
         noisy = gaussian_output_perturbation(
             f, s, sigma, seeds.draw_seed(True, seed, 1) if reproducible else None, reproducible)
     return noisy, {"sigma": sigma, "sensitivity": s, "k_comp": k, "eps": eps, "delta": delta,

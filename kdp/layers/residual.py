@@ -2,7 +2,6 @@
 
 import keras
 
-from kdp.bounds import chain_backpropagate, chain_propagate
 from kdp.layers.base import DPLayer, serializable
 
 _MERGES = {"add": 1.0, "1-lip-add": 0.5}
@@ -56,7 +55,11 @@ class DP_Residual(DPLayer, keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    # The branch's bounds come from the bound pass, which calls these methods: it is
+    # imported when they run (`import kdp.bounds` first would find it half imported).
     def propagate_inputs(self, input_bound):
+        from kdp.bounds import chain_propagate
+
         return self.scale * (input_bound + chain_propagate(self.branch, input_bound))
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
@@ -66,6 +69,8 @@ class DP_Residual(DPLayer, keras.layers.Layer):
         return self._backward(input_bound, gradient_bound)[1]
 
     def _backward(self, input_bound, gradient_bound):
+        from kdp.bounds import chain_backpropagate
+
         g = self.scale * gradient_bound
         g_branch, params = chain_backpropagate(self.branch, input_bound, g)
         return g + g_branch, params

@@ -9,6 +9,7 @@
 * `budget`: a model's per-step mechanism, planned releases, ε of more epochs,
   `make_private` (privacy in one call);
 * `statement`: the privacy statement of a model;
+* `callbacks`: the callbacks `fit` knows (`DP_Accountant`, `PrivacyJournal`);
 * `saving`: the ledger inside every weights file;
 * `processes`: several processes training one model (shards, one ledger).
 """

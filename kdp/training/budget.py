@@ -1,5 +1,5 @@
 """A DP model's privacy arithmetic: its per-step mechanism, planned releases,
-and the ε of more epochs (pure accounting lives in `kdp.accounting`).
+and the ε of more epochs (pure accounting lives in `kdp.privacy`).
 
 Mechanisms that run *alongside* training (adaptive clipping's quantile
 releases) register a plan on the model's gate, so that budgets computed before
@@ -10,9 +10,8 @@ next ``steps`` training steps (those already made are in the ledger).
 
 import math
 
-from kdp import accounting
-from kdp.training.ledger import mechanism_event, training_mechanism
-from kdp.training.objective import effective_noise_multiplier
+from kdp import privacy
+from kdp.training.ledger import mechanism_event
 
 #: Relative steps by which `make_private` raises σ when float rounding of
 #: ``σ = σ_eff / r`` would let the last planned step exceed the budget.
@@ -20,33 +19,12 @@ _NUDGES = (0.0, 1e-12, 1e-9, 1e-6)
 
 
 def privacy_spec(model):
-    """The per-step mechanism of ``model.fit``: ``{noise_multiplier, sampling_rate,
-    sampling, steps_per_epoch, delta}``."""
-    if model.dp_parameters is None or model.dataset_metadata is None:
-        raise ValueError(f"{model.name}: pass dp_parameters= and dataset_metadata= to train it")
-    md, sampling = model.dataset_metadata, model.dp_parameters.sampling
-    # Shuffled batches of at most b records: a pass has at least ⌊N/b⌋ steps.
-    steps_per_epoch = (md.steps_per_epoch if sampling == "poisson"
-                       else max(1, md.nb_samples_train // md.batch_size))
-    return {
-        "noise_multiplier": effective_noise_multiplier(model),
-        "sampling_rate": md.sampling_rate,
-        "sampling": sampling,
-        "steps_per_epoch": steps_per_epoch,
-        "delta": model.dp_parameters.delta,
-    }
-
-
-def fit_mechanism(spec):
-    """The ledger key of one `fit` step (Poisson or shuffled batches)."""
-    return training_mechanism(spec["noise_multiplier"], spec["sampling_rate"], spec["sampling"],
-                              spec["steps_per_epoch"])
-
-
-def batch_mechanism(spec):
-    """The ledger key of one step on a batch kdp did not sample (`train_on_batch`,
-    a custom loop): the Gaussian mechanism without amplification (``q = 1``)."""
-    return training_mechanism(spec["noise_multiplier"], 1.0, "poisson", None)
+    """The per-step mechanism of ``model.fit`` as a dict, from its `StepPlan`:
+    ``{noise_multiplier (σ_eff), sampling_rate, sampling, steps_per_epoch, delta}``."""
+    plan = model.step_plan()
+    return {"noise_multiplier": plan.effective_noise_multiplier,
+            "sampling_rate": plan.sampling_rate, "sampling": plan.sampling,
+            "steps_per_epoch": plan.steps_per_epoch, "delta": plan.delta}
 
 
 def register_release_plan(model, plan):
@@ -66,9 +44,9 @@ def planned_events(model, steps):
 def fit_events(model, epochs):
     """The releases of ``epochs`` more epochs of ``model.fit``: the noisy steps
     and what the registered plans release alongside them (not the ledger)."""
-    spec = privacy_spec(model)
-    steps = int(epochs) * spec["steps_per_epoch"]
-    return planned_events(model, steps) + [mechanism_event(fit_mechanism(spec), steps)]
+    plan = model.step_plan()
+    steps = int(epochs) * plan.steps_per_epoch
+    return planned_events(model, steps) + [mechanism_event(plan.fit_mechanism, steps)]
 
 
 def fit_event(model, epochs):
@@ -82,8 +60,8 @@ def fit_event(model, epochs):
 def get_eps_delta(model, epochs, accountant="rdp"):
     """``(ε, δ)`` after ``epochs`` more epochs of ``model.fit`` (plus what it already spent)."""
     events = model.privacy_ledger.events() + fit_events(model, epochs)
-    delta = privacy_spec(model)["delta"]
-    return accounting.epsilon_of_events(events, delta, accountant), delta
+    delta = model.step_plan().delta
+    return privacy.epsilon_of_events(events, delta, accountant), delta
 
 
 def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
@@ -91,18 +69,18 @@ def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
     ``epochs`` more epochs (after the ledger, with the planned releases) cost at
     most ``target_epsilon``; return that σ.
 
-    Unlike `accounting.calibrate_noise_multiplier`, this accounts for the noise
+    Unlike `kdp.privacy.calibrate_noise_multiplier`, this accounts for the noise
     strategy: with ``"per-layer"`` noise a step is one Gaussian of
     ``σ_eff = r·σ`` (``r = (Σ_v c_v^-2)^(-1/2)``, public), so σ is the
     calibrated ``σ_eff / r``. The model must be built.
     """
-    spec = privacy_spec(model)
-    ratio = spec["noise_multiplier"] / model.dp_parameters.noise_multiplier
-    steps = int(epochs) * spec["steps_per_epoch"]
+    plan = model.step_plan()
+    ratio = plan.effective_noise_multiplier / plan.noise_multiplier
+    steps = int(epochs) * plan.steps_per_epoch
     extra = model.privacy_ledger.events() + planned_events(model, steps)
-    sigma_eff = accounting.calibrate_noise_multiplier(
-        target_epsilon, spec["sampling_rate"], steps, spec["delta"], accountant,
-        spec["sampling"], spec["steps_per_epoch"], extra)
+    sigma_eff = privacy.calibrate_noise_multiplier(
+        target_epsilon, plan.sampling_rate, steps, plan.delta, accountant,
+        plan.sampling, plan.steps_per_epoch, extra)
     model.dp_parameters = model.dp_parameters.replace(noise_multiplier=sigma_eff / ratio)
     return model.dp_parameters.noise_multiplier
 
@@ -130,13 +108,13 @@ def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None, *, saf
     if atol is not None:
         raise TypeError("get_max_epochs takes no atol: kdp's search is exact (the largest e "
                         "with ε(e) <= epsilon_max, by bisection on whole epochs); drop atol")
-    spec = privacy_spec(model)
-    mechanism = fit_mechanism(spec)
-    steps = accounting.max_count(
-        epsilon_max, spec["delta"], lambda n: [mechanism_event(mechanism, n)],
-        model.privacy_ledger.events(), accountant, unit=spec["steps_per_epoch"],
+    plan = model.step_plan()
+    mechanism = plan.fit_mechanism
+    steps = privacy.max_count(
+        epsilon_max, plan.delta, lambda n: [mechanism_event(mechanism, n)],
+        model.privacy_ledger.events(), accountant, unit=plan.steps_per_epoch,
         planned=(lambda n: planned_events(model, n)) if model.privacy_gate.plans else None)
-    epochs = steps // spec["steps_per_epoch"]
+    epochs = steps // plan.steps_per_epoch
     return epochs if epochs_max is None else min(epochs, int(epochs_max))
 
 
@@ -184,14 +162,13 @@ def _make_private(model, target_epsilon, epochs, delta):
     if delta is not None:
         model.dp_parameters = model.dp_parameters.replace(delta=delta)
     model.check_delta()
-    _ensure_built(model)
-    spec = privacy_spec(model)
-    steps = int(epochs) * spec["steps_per_epoch"]
+    plan = model.step_plan()
+    steps = int(epochs) * plan.steps_per_epoch
     fixed = model.privacy_ledger.events() + planned_events(model, steps)
-    floor = accounting.epsilon_of_events(fixed, spec["delta"]) if fixed else 0.0
+    floor = privacy.epsilon_of_events(fixed, plan.delta) if fixed else 0.0
     if floor >= target_epsilon:
         raise ValueError(
-            f"target_epsilon={target_epsilon:g} is unreachable at δ={spec['delta']:g}: "
+            f"target_epsilon={target_epsilon:g} is unreachable at δ={plan.delta:g}: "
             f"{_describe_fixed(model)} already cost ε={floor:.4g} whatever the training noise. "
             "Raise the target, or use fewer (or noisier) planned releases, or a fresh ledger "
             "if this is a new dataset.")
@@ -199,15 +176,10 @@ def _make_private(model, target_epsilon, epochs, delta):
     for nudge in _NUDGES:
         model.dp_parameters = model.dp_parameters.replace(
             noise_multiplier=sigma * (1 + nudge), epsilon_max=target_epsilon)
-        if model.privacy_gate.remaining(fit_mechanism(privacy_spec(model))) >= steps:
+        if model.privacy_gate.remaining(model.step_plan().fit_mechanism) >= steps:
             return model.dp_parameters.noise_multiplier
     raise RuntimeError(f"{model.name}: calibrated σ={sigma:.6g} does not fit the budget it was "
                        "calibrated for (please report this)")
-
-
-def _ensure_built(model):
-    if not model.built:
-        model.build((None,) + tuple(model.dataset_metadata.input_shape))
 
 
 def _describe_fixed(model):
@@ -219,21 +191,21 @@ def _describe_fixed(model):
 
 
 def plain_calibration_warning(model):
-    """A warning text if σ came from `accounting.calibrate_noise_multiplier` (one
+    """A warning text if σ came from `kdp.privacy.calibrate_noise_multiplier` (one
     Gaussian of multiplier σ per step) but the model adds less noise than that
     (per-layer noise: one Gaussian of ``σ_eff < σ``), else ``None``."""
-    sigma = model.dp_parameters.noise_multiplier
+    sigma = model.dp_parameters.noise_multiplier  # the object: it may carry its calibration
     calibration = getattr(sigma, "calibration", None)
     if calibration is None:
         return None
-    sigma_eff = effective_noise_multiplier(model)
+    sigma_eff = model.step_plan().effective_noise_multiplier
     if sigma_eff >= sigma * (1 - 1e-9):
         return None
     c = calibration
     args = (c["sampling_rate"], c["steps"], c["delta"], c["accountant"], c["sampling"],
-            c["steps_per_epoch"])
-    planned = accounting.compute_epsilon(float(sigma), *args)
-    actual = accounting.compute_epsilon(sigma_eff, *args)
+            c["steps_per_epoch"], c["neighboring"])
+    planned = privacy.compute_epsilon(float(sigma), *args)
+    actual = privacy.compute_epsilon(sigma_eff, *args)
     return (
         f"{model.name}: noise_multiplier={sigma:.4g} was calibrated for ε={c['target_epsilon']:g} "
         f"as one Gaussian of multiplier σ per step, but this model's per-layer noise makes each "

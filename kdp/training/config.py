@@ -2,10 +2,10 @@
 
 import math
 
-from kdp import accounting
+from kdp import privacy
 from kdp.clipping import check_clipping_parameters
 from kdp.training.sampling import check_batch_shapes
-from kdp.training.seeds import draw_seed
+from kdp.training.seeds import check_seed, draw_seed
 
 NOISIFY_STRATEGIES = ("per-layer", "global")
 
@@ -58,16 +58,13 @@ class DPParameters:
             raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta}")
-        if sampling not in accounting.SAMPLINGS:
-            raise ValueError(f"sampling must be one of {accounting.SAMPLINGS}, got {sampling!r}")
-        if seed is not None and not reproducible:
-            raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
-        if reproducible and seed is None:
-            raise ValueError("reproducible=True needs an explicit seed (tests only): no seed is a default")
+        if sampling not in privacy.SAMPLINGS:
+            raise ValueError(f"sampling must be one of {privacy.SAMPLINGS}, got {sampling!r}")
+        check_seed(reproducible, seed)
         self.noisify_strategy = noisify_strategy
         # A σ from `calibrate_noise_multiplier` keeps what it was calibrated for.
         self.noise_multiplier = (noise_multiplier if isinstance(
-            noise_multiplier, accounting.CalibratedNoiseMultiplier) else float(noise_multiplier))
+            noise_multiplier, privacy.CalibratedNoiseMultiplier) else float(noise_multiplier))
         self.delta = float(delta)
         self.sampling = sampling
         self.reproducible = bool(reproducible)

@@ -11,21 +11,32 @@ through `PrivacyGate.spend`, which
 2. records it in the ledger and writes the journal **before** it runs, so a
    process killed at any instant has every release it made on file;
 3. keeps the gate open while it runs: the noisy objective of a DP model refuses
-   to be built anywhere else (`require_open`);
+   to be built anywhere else (`require_open`), and grants one **credit** per
+   recorded release of a model step. A compiled step spends a credit of its
+   `StepPlan`'s mechanisms **each time it executes** (`consume`, a host callback
+   inside the step): a step run outside the gate, run more often than recorded,
+   or compiled for another plan (an older σ) raises `PrivacyGateError` and
+   releases nothing;
 4. takes the release back only when the caller proves that it did not run
-   (never on several processes: another process may have run it);
+   (never on `KeyboardInterrupt` or `SystemExit`, never for a step whose credit
+   was spent, never on several processes: another process may have run it);
 5. refuses any release on one of several processes (`kdp.distribute.process_count`)
    outside a multi-process `fit`, which samples, noises and accounts them together.
 
-Budgets use the RDP accountant of `kdp.accounting` unless a budget names PLD.
+ε and budgets are computed by `kdp.privacy` under the gate's neighbouring relation
+(add/remove-one unless the owner says otherwise: `kdp.dpcl` uses replace-one),
+with the RDP accountant unless a budget names PLD.
 """
 
 import contextlib
 import json
 import math
+import threading
 
-from kdp import accounting, distribute
-from kdp.training.ledger import PrivacyLedger, mechanism_event, new_run_id
+from kdp import distribute, privacy
+from kdp.training import seeds
+from kdp.training.ledger import PrivacyLedger, entry_mechanism, mechanism_event, new_run_id
+from kdp.training.plan import mechanism_key
 
 
 class PrivacyGateError(RuntimeError):
@@ -44,10 +55,16 @@ class PrivacyGate:
         ledger: the `PrivacyLedger` already spent (a fresh one by default).
         epsilon_max: a persistent budget (``None``: none).
         name: the owner's name, for error messages.
+        neighboring: the `dp_accounting.NeighboringRelation` under which the ledger
+            is composed and budgets are enforced (`kdp.privacy.ADD_OR_REMOVE_ONE`
+            by default; `kdp.privacy.REPLACE_ONE` for releases sampled without
+            replacement).
     """
 
-    def __init__(self, delta, ledger=None, epsilon_max=None, name="model"):
+    def __init__(self, delta, ledger=None, epsilon_max=None, name="model",
+                 neighboring=privacy.ADD_OR_REMOVE_ONE):
         self.delta = float(delta)
+        self.neighboring = neighboring
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         self.epsilon_max = epsilon_max
         self.name = name
@@ -58,6 +75,12 @@ class PrivacyGate:
         self._budgets = {}
         self._allowance = {}
         self._depth = 0  # not thread-local: tf.distribute traces the step in replica threads
+        self._open = []  # the mechanism keys of the open `spend` blocks, innermost last
+        self._credits = {}  # mechanism key -> executions of a compiled step still allowed
+        self._executed = 0  # host checks run during the current `spend` block
+        self._lock = threading.Lock()  # `consume` runs on the engine's callback threads
+        #: how many times one step runs its host check (the replicas of a TensorFlow strategy)
+        self.executions_per_step = 1
 
     # -- runs and budgets ----------------------------------------------------------------
     def start_run(self):
@@ -66,12 +89,26 @@ class PrivacyGate:
         self.run = new_run_id()
         return self.run
 
+    def begin_run(self, mechanism=None, releases=1, noise_seed=None, reproducible=False):
+        """The prologue every training run shares (a DP model's `fit`, each method's
+        trainer): refuse now if the budgets do not allow ``releases`` releases of
+        ``mechanism`` (nothing runs), name a new run, and give the run's noise
+        generator ``noise_seed`` a fresh state from the OS (`seeds.reseed`) unless
+        ``reproducible``, so that no run replays the noise of an earlier one.
+        Returns the run's name."""
+        if mechanism is not None:
+            self.check(mechanism, releases)
+        self.start_run()
+        if noise_seed is not None and not reproducible:
+            seeds.reseed(noise_seed)
+        return self.run
+
     def add_budget(self, key, epsilon_max, accountant="rdp"):
         """A temporary budget (e.g. a callback's) enforced with the persistent one."""
         if not (epsilon_max > 0 and math.isfinite(epsilon_max)):
             raise ValueError(f"epsilon_max must be a finite number > 0, got {epsilon_max}")
-        if accountant not in accounting.ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
+        if accountant not in privacy.ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {privacy.ACCOUNTANTS}, got {accountant!r}")
         self._budgets[key] = (float(epsilon_max), accountant)
         self._allowance.clear()
 
@@ -109,9 +146,9 @@ class PrivacyGate:
         # Plans accompany training steps: n more steps bring their releases along.
         planned = self.planned_events if self.plans and mechanism["kind"] == "training" else None
         allowed = min(
-            accounting.max_count(
+            privacy.max_count(
                 eps_max, self.delta, lambda n: [mechanism_event(mechanism, n)], spent, accountant,
-                planned=planned)
+                planned=planned, neighboring=self.neighboring)
             for eps_max, accountant in budgets)
         self._allowance[key] = (fingerprint, allowed)
         return allowed
@@ -137,40 +174,94 @@ class PrivacyGate:
 
     # -- the gate --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def spend(self, mechanism, count=1, refund=None):
+    def spend(self, mechanism, count=1, refundable=False, plan=None):
         """Check, record (write-ahead) and open the gate for ``count`` releases.
 
         Args:
             mechanism: the ledger key of one release (`kdp.training.ledger`).
             count: the number of releases the block may make.
-            refund: optional ``() -> int``, called if the block raises: the number
-                of recorded releases that provably did not run (taken back).
+            refundable: the releases are steps of a compiled DP model step, whose
+                host check (`consume`) runs before its noisy gradient exists: if the
+                block raises an `Exception` (never a `KeyboardInterrupt` or
+                `SystemExit`), the releases whose check did not run are taken back.
+            plan: the `StepPlan` of the compiled step the block runs, if any: refused
+                unless ``mechanism`` is one of its mechanisms.
         """
         if self.processes is None and distribute.process_count() > 1:
             raise PrivacyGateError(
                 f"{self.name}: this release would run on one of several processes outside a "
                 "multi-process DP model's fit, the only path on which kdp samples, noises and "
                 "accounts the processes together; nothing was run")
+        if plan is not None and mechanism_key(mechanism) not in plan.mechanism_keys:
+            raise PrivacyGateError(
+                f"{self.name}: a step compiled for {plan.describe()} cannot run as the release "
+                f"{mechanism}: its noise is not that release's; nothing was run")
         self.check(mechanism, count)
         if self.run is None:
             self.start_run()
         self._record(mechanism, count)
+        key = mechanism_key(mechanism)
+        with self._lock:
+            self._credits[key] = self._credits.get(key, 0) + count * self.executions_per_step
+            self._executed = 0
         self._depth += 1
+        self._open.append(key)
         try:
             yield
-        except BaseException:
-            # A failed multi-process step may have run on the other processes: kept.
-            if refund is not None and self.processes is None:
-                self.settle(min(count, max(0, int(refund()))))
+        except Exception:
+            # A multi-process step may have run on another process: kept.
+            if refundable and self.processes is None:
+                self.settle(count - self.executed_steps())
             raise
         finally:
+            self._open.pop()
             self._depth -= 1
 
     def settle(self, count):
-        """Take back ``count`` releases recorded ahead that provably never ran."""
+        """Take back ``count`` releases recorded ahead that provably never ran
+        (with their credits: they can no longer be executed)."""
         if count > 0:
+            last = self.ledger.entries[-1] if self.ledger.entries else None
+            key = None if last is None else mechanism_key(entry_mechanism(last))
             self.ledger.retract(count, self.run)
+            with self._lock:
+                if key in self._credits:
+                    taken = count * self.executions_per_step
+                    self._credits[key] = max(0, self._credits[key] - taken)
             self._write_journal()
+
+    # -- executions of compiled steps ----------------------------------------------------------
+    def consume(self, plan):
+        """Spend one credit of ``plan``'s mechanisms for one execution of a compiled
+        step; raise `PrivacyGateError` if none is left (the step runs outside the
+        gate, more often than recorded, or for another plan). Called by the step
+        itself, at run time, from the engine's host callback (`kdp.autodiff.host_check`)."""
+        with self._lock:
+            for key in plan.mechanism_keys:
+                if self._credits.get(key, 0) > 0:
+                    self._credits[key] -= 1
+                    self._executed += 1
+                    return
+            open_for = [json.loads(k) for k in self._credits if self._credits[k] > 0]
+        raise PrivacyGateError(
+            f"a compiled noisy step of {self.name} ({plan.describe()}) ran without a release "
+            "recorded for it in the privacy ledger ("
+            + (f"the gate holds credits only for {open_for}: the step was compiled for another "
+               "plan, e.g. before noise_multiplier changed" if open_for else
+               "the gate is closed: the step was called outside model.fit / model.train_on_batch")
+            + "); it released nothing. Train with model.fit or model.train_on_batch, or open "
+            "the gate with `with model.privacy_gate.spend(mechanism, count): ...`.")
+
+    def executed_steps(self):
+        """The steps of the current `spend` block whose host check ran (they ran)."""
+        with self._lock:
+            return -(-self._executed // max(1, self.executions_per_step))
+
+    def revoke_credits(self):
+        """Forget every unspent credit (called once a training call has finished:
+        its releases that did not run can no longer be executed later)."""
+        with self._lock:
+            self._credits.clear()
 
     def _record(self, mechanism, count):
         before = self._fingerprint()
@@ -189,8 +280,13 @@ class PrivacyGate:
     def is_open(self):
         return self._depth > 0
 
-    def require_open(self, what="a noisy training step"):
-        """Raise `PrivacyGateError` unless called inside `spend`."""
+    def require_open(self, what="a noisy training step", plan=None):
+        """Raise `PrivacyGateError` unless called inside `spend` (for a release that
+        ``plan``, if given, realizes)."""
+        if plan is not None and self.is_open and self._open[-1] not in plan.mechanism_keys:
+            raise PrivacyGateError(
+                f"{what} of {self.name} was built for {plan.describe()} while the gate is open "
+                f"for the release {json.loads(self._open[-1])}; nothing was run")
         if not self.is_open:
             raise PrivacyGateError(
                 f"{what} of {self.name} was built outside kdp's privacy gate, so it would not "
@@ -205,4 +301,6 @@ class PrivacyGate:
 
     def privacy_spent(self, accountant="rdp"):
         """``(ε, δ)`` of every release in the ledger."""
-        return accounting.epsilon_of_events(self.ledger.events(), self.delta, accountant), self.delta
+        eps = privacy.epsilon_of_events(self.ledger.events(), self.delta, accountant,
+                                        self.neighboring)
+        return eps, self.delta

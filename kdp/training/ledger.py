@@ -18,8 +18,8 @@ data in a database:
   *before* each step runs (`kdp.training.gate`).
 
 An entry is a plain dict (JSON): ``{"run", "seq", "kind", ..., "count"}``, the
-kinds being ``"training"`` (noisy gradient steps, `accounting.training_event`),
-``"quantile"`` (private quantiles, `accounting.quantile_event`) and ``"event"``
+kinds being ``"training"`` (noisy gradient steps, `kdp.privacy.training_event`),
+``"quantile"`` (private quantiles, `kdp.privacy.quantile_event`) and ``"event"``
 (any `dp_accounting.DpEvent`, stored in dp-accounting's own named-tuple form).
 """
 
@@ -29,7 +29,7 @@ import json
 import os
 import tempfile
 
-from kdp.accounting import event_from_config, event_to_config, quantile_event, training_event
+from kdp.privacy import event_from_config, event_to_config, quantile_event, training_event
 from kdp.training.seeds import os_seed
 
 LEDGER_FORMAT = 2
@@ -42,14 +42,14 @@ def new_run_id():
 
 
 def training_mechanism(noise_multiplier, sampling_rate, sampling="poisson", steps_per_epoch=None):
-    """The ledger key of one noisy gradient step (see `accounting.training_event`)."""
+    """The ledger key of one noisy gradient step (see `kdp.privacy.training_event`)."""
     return {"kind": "training", "noise_multiplier": float(noise_multiplier),
             "sampling_rate": float(sampling_rate), "sampling": sampling,
             "steps_per_epoch": None if steps_per_epoch is None else int(steps_per_epoch)}
 
 
 def quantile_mechanism(noise_multiplier, sampling_rate):
-    """The ledger key of one private quantile release (`accounting.quantile_event`)."""
+    """The ledger key of one private quantile release (`kdp.privacy.quantile_event`)."""
     return {"kind": "quantile", "noise_multiplier": float(noise_multiplier),
             "sampling_rate": float(sampling_rate)}
 
@@ -85,7 +85,7 @@ class PrivacyLedger:
             return
         self.version += 1
         last = self.entries[-1] if self.entries else None
-        if last is not None and last["run"] == run and _mechanism(last) == mechanism:
+        if last is not None and last["run"] == run and entry_mechanism(last) == mechanism:
             last["count"] += count
             return
         seq = sum(1 for e in self.entries if e["run"] == run)
@@ -149,7 +149,7 @@ class PrivacyLedger:
                 merged.append(dict(e))
                 continue
             mine = merged[index[key]]
-            if _mechanism(mine) != _mechanism(e):
+            if entry_mechanism(mine) != entry_mechanism(e):
                 raise ValueError(f"privacy ledgers disagree on run {key}: {mine} vs {e}")
             mine["count"] = max(mine["count"], e["count"])
         return PrivacyLedger(merged)
@@ -182,7 +182,8 @@ class PrivacyLedger:
         return f"PrivacyLedger({self.entries!r})"
 
 
-def _mechanism(entry):
+def entry_mechanism(entry):
+    """The mechanism (ledger key) of a ledger entry."""
     return {k: v for k, v in entry.items() if k not in ("run", "seq", "count")}
 
 

@@ -13,8 +13,11 @@
   products, and ξ is drawn once for all the variables of one dtype.
 
 So Keras' own ``train_step`` computes the noisy gradient in one ordinary
-backward pass on every backend. The noise term is built only inside the privacy
-gate (`PrivacyGate.require_open`): a step that is not recorded cannot be traced.
+backward pass on every backend. Every constant comes from the model's
+`StepPlan` (`kdp.training.plan`). The objective is traced only inside the
+privacy gate (`PrivacyGate.require_open`) and, each time the compiled step
+executes, multiplied by a host check that spends one of the gate's credits for
+the plan (`PrivacyGate.consume`): a step that was not recorded cannot run.
 """
 
 import math
@@ -22,54 +25,33 @@ import math
 import keras
 from keras import ops
 
-from kdp import accounting, clipping, distribute
+from kdp import autodiff, clipping, distribute
 from kdp.bounds import bound_sqrt, compute_gradient_bounds
 
 
-def noise_coefficients(model):
-    """``{variable.path: c_v}``: the public per-layer noise coefficients."""
-    coefs = {}
-    for layer in model._flatten_layers(include_self=False):
-        for v in layer.trainable_weights:
-            coefs[v.path] = float(getattr(layer, "nm_coef", 1.0))
-    return coefs
-
-
-def noise_stds(model):
-    """``{variable.path: std}`` of the Gaussian noise added to the batch gradient."""
-    params = model.dp_parameters
-    if params.clipping_norm is not None:
-        return clipping.noise_stds(model)  # σ·C/b
+def noise_stds(model, plan=None):
+    """``{variable.path: std}`` of the Gaussian noise added to the batch gradient
+    (`StepPlan.noise_std` of ``plan``, default the model's current plan)."""
+    plan = plan or model.step_plan()
+    if plan.clipping_norm is not None:
+        return {v.path: plan.noise_std(v.path, None) for v in model.trainable_variables}
     bounds = compute_gradient_bounds(model)
-    sigma, b = params.noise_multiplier, model.dataset_metadata.batch_size
-    if params.noisify_strategy == "global":
+    if plan.noisify_strategy == "global":
         total = bound_sqrt(sum(d * d for d in bounds.values()))  # a tensor after a clip
-        return {p: sigma * total / b for p in bounds}
-    coefs = noise_coefficients(model)
-    return {p: sigma * coefs.get(p, 1.0) * d / b for p, d in bounds.items()}
+        return {p: plan.noise_std(p, total) for p in bounds}
+    return {p: plan.noise_std(p, d) for p, d in bounds.items()}
 
 
-def effective_noise_multiplier(model):
-    """``σ_eff``: the noise multiplier of the one Gaussian a step is equivalent to
-    (``(Σ_v (σ c_v)^-2)^(-1/2)`` for per-layer noise)."""
-    params = model.dp_parameters
-    if params.noisify_strategy == "global" or params.clipping_norm is not None:
-        return params.noise_multiplier
-    coefs = noise_coefficients(model)
-    return accounting.effective_noise_multiplier(
-        params.noise_multiplier * coefs.get(v.path, 1.0) for v in model.trainable_variables)
-
-
-def noise_term(model, seed_generator):
+def noise_term(model, plan, seed_generator):
     """A scalar of value 0 whose gradient with respect to each trainable variable
-    ``v`` is ``ξ_v``, a fresh Gaussian draw of std ``noise_stds(model)[v.path]``.
+    ``v`` is ``ξ_v``, a fresh Gaussian draw of std ``noise_stds(model, plan)[v.path]``.
 
     The standard normals of all the variables of one dtype are one draw, sliced
     per variable: a draw per variable puts one copy of the generator (hash
     rounds, inverse error function) per variable in the compiled step; on the
     benchmark MLP (three kernels, JAX) compiling it then took 36 MB more
     resident memory. The value 0 is not computed from ξ (`_zero_with_gradient`)."""
-    stds = noise_stds(model)
+    stds = noise_stds(model, plan)
     by_dtype = {}
     for v in model.trainable_variables:
         by_dtype.setdefault(v.value.dtype, []).append(v)
@@ -119,12 +101,17 @@ def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
         rows = ops.cast(ops.shape(values)[0], values.dtype)
         total = ops.sum(values) / ops.maximum(rows, 1.0)
         return total + ops.sum(model.losses) if model.losses else total
-    b = model.dataset_metadata.batch_size
-    if model.dp_parameters.clipping_norm is not None:
+    plan = model.step_plan()
+    gate = model.privacy_gate
+    gate.require_open(plan=plan)
+    if plan.clipping_norm is not None:
         total = clipping.clipped_objective(model, x, y, values, sample_weight)  # grad: ḡ/b
     else:
-        total = ops.sum(values) / b
+        total = ops.sum(values) / plan.batch_size
     if model.losses:
         total = total + ops.sum(model.losses) * ops.cast(distribute.noise_share(), total.dtype)
-    model.privacy_gate.require_open()
-    return total + noise_term(model, seed_generator)
+    # Checked each time the compiled step runs: a release recorded for this plan. Only
+    # the noise term waits for the check (the rest of the step can run meanwhile);
+    # a failed check fails the whole execution.
+    admitted = ops.cast(autodiff.host_check(lambda: gate.consume(plan), after=total), total.dtype)
+    return total + noise_term(model, plan, seed_generator) * admitted

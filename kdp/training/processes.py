@@ -12,11 +12,13 @@ update. The accounting is that of one process training on ``N`` records.
 What `fit` does when `kdp.distribute.process_layout` counts several processes
 (`ProcessGroup`):
 
-* `ProcessGroup.join`: one exchange before anything is spent. Every process
+* `ProcessGroup.join`: two exchanges before anything is spent. Every process
   reports its shard size, its local refusals (an invalid batch), its
-  configuration and its ledger; all of them then raise the same error, or
-  none: the shards must sum to ``dataset_metadata.nb_samples_train``, the
-  configurations must be identical, and the ledgers are merged into one
+  configuration and its ledger, then a keyed digest of each of its records;
+  all of them then raise the same error, or none: the configurations must be
+  identical (the error names each differing setting, the process and both
+  values), no record may be held by two processes, the shards must sum to
+  ``dataset_metadata.nb_samples_train``, and the ledgers are merged into one
   (`PrivacyLedger.merge`, nothing lost), so every process decides budgets the
   same way. The run name is process 0's (and so is the noise seed on JAX,
   whose replicated state must be identical: `seeds.shared_os_seed`; under
@@ -34,7 +36,9 @@ What `fit` does when `kdp.distribute.process_layout` counts several processes
 
 import hashlib
 import json
+import secrets
 
+import keras
 import numpy as np
 
 from kdp import distribute
@@ -42,6 +46,12 @@ from kdp.training.ledger import PrivacyLedger, new_run_id
 
 #: exchanged records are padded to a multiple of this many bytes (fewer shapes to trace)
 _BLOCK = 4096
+#: the bytes of a record's digest (`record_digests`)
+_DIGEST = 8
+#: the most differing settings a configuration mismatch lists
+_MOST_DIFFERENCES = 6
+#: the most characters of an engine's error kept in `ProcessGroup.failure`
+_CAUSE = 1200
 
 
 class DistributedTrainingError(RuntimeError):
@@ -83,31 +93,60 @@ class ProcessGroup:
         return [json.loads(row[:n].astype("uint8").tobytes().decode()) for row, n in zip(gathered, lengths)]
 
     # -- the handshake -------------------------------------------------------------------
-    def join(self, rows, error=None):
+    def join(self, rows, error=None, shard=None):
         """Agree before anything is spent (see the module's docstring).
 
         Args:
             rows: the number of records this process holds.
             error: this process's refusal of its own data (a message), if any.
+            shard: ``(x, y, weights)``, this process's validated records (then
+                ``rows`` is their number), for the overlap check
+                (`record_digests`); ``None`` skips it on this process (it then
+                reports no records to compare).
+
+        Overlap: each process digests each of its records (inputs and label)
+        with a keyed hash whose key process 0 draws for this handshake only; the
+        processes exchange the digests, never the records. Identical
+        records held by two processes count as shared, even when they are two
+        distinct individuals' identical rows: deduplicate them, or give all the
+        copies to one process (identical rows within one shard are allowed).
+        What the digests tell the other processes: which of their own records
+        this process also holds.
 
         Raises:
             ValueError: on every process, if any process refused its data, the
-                shards do not sum to ``N``, or the configurations differ.
+                configurations differ, two processes share records, or the
+                shards do not sum to ``N``.
         """
         model = self.model
         gate = model.privacy_gate
         record = {
-            "error": error, "rows": int(rows),
+            "error": error, "rows": int(rows if shard is None else len(shard[1])),
             "config": self._configuration(),
             "ledger": gate.ledger.get_config(),
             "run": new_run_id(),
+            "key": secrets.token_hex(16) if self.index == 0 else None,
+            "digests": shard is not None,
         }
         records = self.exchange(record)
         errors = [(p, r["error"]) for p, r in enumerate(records) if r["error"]]
         if errors:
             raise ValueError(f"{model.name}: process {errors[0][0]} of {self.count} refused its "
                              f"data: {errors[0][1]} Nothing was spent on any process.")
+        differences = [(p, path, mine, first) for p, r in enumerate(records[1:], 1)
+                       for path, mine, first in _differences(r["config"], records[0]["config"])]
+        if differences:
+            listed = "; ".join(
+                "process {} has {}={}, process 0 has {}".format(p, path, *_shown(mine, first))
+                for p, path, mine, first in differences[:_MOST_DIFFERENCES])
+            more = len(differences) - _MOST_DIFFERENCES
+            raise ValueError(
+                f"{model.name}: the processes' configurations differ: {listed}"
+                f"{f' (and {more} more)' if more > 0 else ''}. Every process must build and "
+                "compile the same model with the same DPParameters, DatasetMetadata and budgets. "
+                "Nothing was spent.")
         self.rows = [r["rows"] for r in records]
+        self._check_disjoint(records, shard)
         total, n = sum(self.rows), model.dataset_metadata.nb_samples_train
         if total != n:
             raise ValueError(
@@ -115,24 +154,44 @@ class ProcessGroup:
                 f"all, but dataset_metadata.nb_samples_train = {n}: each process must pass its own "
                 "disjoint shard, and the shards together the whole dataset (the sampling rate "
                 "b/N would be wrong). Nothing was spent.")
-        differ = sorted(k for k in record["config"]
-                        if any(r["config"][k] != records[0]["config"][k] for r in records))
-        if differ:
-            raise ValueError(f"{model.name}: the processes disagree on {', '.join(differ)}: every "
-                             "process must build and compile the same model with the same "
-                             "DPParameters and DatasetMetadata. Nothing was spent.")
         ledger = PrivacyLedger()
         for r in records:
             ledger = ledger.merge(PrivacyLedger.from_config(r["ledger"]))
         gate.ledger = ledger
         self.run = records[0]["run"]
 
+    def _check_disjoint(self, records, shard):
+        """Raise on every process if two processes hold the same record (a collective)."""
+        counts = [r["rows"] if r["digests"] else 0 for r in records]
+        if sum(c > 0 for c in counts) < 2:  # nothing to compare (TensorFlow crashes gathering nothing)
+            return
+        key = bytes.fromhex(records[0]["key"])
+        mine = (np.zeros(0, "uint64") if shard is None
+                else record_digests(shard[0], shard[1], key=key))
+        size = -(-max(counts) // (_BLOCK // _DIGEST)) * (_BLOCK // _DIGEST)
+        buffer = np.zeros(2 * size, "int32")  # 32-bit halves: JAX gathers no 64-bit integers by default
+        buffer[:2 * len(mine)] = mine.view("int32")
+        gathered = self.allgather(buffer)
+        digests = [np.unique(np.ascontiguousarray(row[:2 * n], dtype="int32").view("uint64"))
+                   for row, n in zip(gathered, counts)]
+        shared = _first_overlap(digests)
+        if shared is not None:
+            p, q, count = shared
+            raise ValueError(
+                f"{self.model.name}: processes {p} and {q} of {self.count} hold {count} identical "
+                "records (same inputs and label): each process must pass its own disjoint "
+                "shard, or the sampling rate b/N and ε would be wrong. Identical rows count as "
+                "shared even when they are distinct records: deduplicate them, or give every copy "
+                "to one process. Nothing was spent.")
+
     def _configuration(self):
         model = self.model
         return {
             "dp_parameters": model.dp_parameters.get_config(),
             "dataset_metadata": model.dataset_metadata.get_config(),
-            "noise": model._noise_signature(),
+            "noise_coefficients": {v.path: float(getattr(layer, "nm_coef", 1.0))
+                                   for layer in model._flatten_layers(include_self=False)
+                                   for v in layer.trainable_weights},
             "variables": [[v.path, list(v.shape)] for v in model.trainable_variables],
             "local_replicas": distribute.local_replicas(model),
             "budgets": sorted(model.privacy_gate.budgets()),
@@ -175,13 +234,95 @@ class ProcessGroup:
         gate = self.model.privacy_gate
         where = (f" Process 0's journal {journal.path} holds them too." if journal is not None
                  else " Process 0 wrote no journal (pass kdp.callbacks.PrivacyJournal(path)).")
-        first = (str(error).strip().splitlines() or [""])[0][:300].rstrip(".")
+        engine = ("" if keras.backend.backend() != "jax" else
+                  " On JAX, end this process with os._exit(1) after this error: JAX's orderly exit "
+                  "would wait for the dead process until its heartbeat times out (100 s by "
+                  "default), then abort.")
         return DistributedTrainingError(
             f"{self.model.name}: training stopped on process {self.index} of {self.count}: "
-            f"{type(error).__name__}: {first}. Another process probably died or stopped; a step "
-            f"needs every process. The ledger counts every step that may have run "
+            f"{type(error).__name__}: {_cause(error)}. Another process probably died or stopped; "
+            f"a step needs every process. The ledger counts every step that may have run "
             f"({gate.ledger.training_steps()} steps, ε={gate.privacy_spent()[0]:.4g}): failed "
-            f"steps are never taken back.{where}")
+            f"steps are never taken back.{where}{engine}")
+
+
+def record_digests(x, y, key):
+    """One keyed 8-byte digest per record of a shard (`ProcessGroup.join`).
+
+    A record is its inputs (every array of ``x``) and its label (not its weight:
+    the same record twice counts twice whatever its weights), each as float64 (so
+    that the same values digest alike whatever the dtype);
+    the hash is BLAKE2b keyed with ``key``, which only the processes of one
+    handshake know. Returns a ``uint64`` array of ``len(y)`` digests.
+    """
+    y = np.asarray(y)
+    rows = len(y)
+    parts = [np.asarray(leaf) for leaf in keras.tree.flatten(x)] + [y]
+    digests = np.empty(rows, "uint64")
+    view = digests.view(f"V{_DIGEST}")
+    chunk = 4096
+    for start in range(0, rows, chunk):
+        block = np.concatenate([np.ascontiguousarray(part[start:start + chunk], dtype="<f8")
+                                .reshape(min(chunk, rows - start), -1) for part in parts], axis=1)
+        for i, row in enumerate(block):
+            view[start + i] = hashlib.blake2b(row.tobytes(), digest_size=_DIGEST, key=key).digest()
+    return digests
+
+
+def _first_overlap(digests):
+    """``(p, q, count)``: the first pair of processes (in rank order) whose sets of
+    digests intersect, and how many they share; ``None`` if they are disjoint."""
+    owners = np.concatenate([np.full(len(d), p) for p, d in enumerate(digests)]).astype("int64")
+    values = np.concatenate(digests) if digests else np.zeros(0, "uint64")
+    order = np.lexsort((owners, values))
+    values, owners = values[order], owners[order]
+    same = np.flatnonzero(values[1:] == values[:-1])  # each process's digests are unique
+    if not len(same):
+        return None
+    p, q = min(zip(owners[same].tolist(), owners[same + 1].tolist()))
+    return p, q, len(np.intersect1d(digests[p], digests[q], assume_unique=True))
+
+
+_ABSENT = object()
+
+
+def _differences(mine, first, path=""):
+    """``(key path, this value, process 0's value)`` of every leaf where two
+    JSON-like configurations differ."""
+    if isinstance(mine, dict) and isinstance(first, dict):
+        for k in sorted(set(mine) | set(first), key=str):
+            yield from _differences(mine.get(k, _ABSENT), first.get(k, _ABSENT),
+                                    f"{path}.{k}" if path else str(k))
+    elif isinstance(mine, list) and isinstance(first, list) and len(mine) == len(first):
+        for i, (a, b) in enumerate(zip(mine, first)):
+            yield from _differences(a, b, f"{path}[{i}]")
+    elif mine != first:
+        yield path, mine, first
+
+
+def _shown(mine, first, most=100):
+    """Two differing JSON values as text; of two long strings, the part around
+    their first difference."""
+    texts = ["(absent)" if v is _ABSENT else v if isinstance(v, str) else json.dumps(v)
+             for v in (mine, first)]
+    if max(map(len, texts)) <= most:
+        return texts
+    start = 0
+    if isinstance(mine, str) and isinstance(first, str):
+        start = next((i for i, (a, b) in enumerate(zip(*texts)) if a != b), min(map(len, texts)))
+        start = max(0, start - most // 3)
+    return [("…" if start else "") + t[start:start + most] + ("…" if len(t) > start + most else "")
+            for t in texts]
+
+
+def _cause(error):
+    """The engine's error as one line: every line of its text but the traceback
+    that TensorFlow prints inside it, trimmed to `_CAUSE` characters."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    kept = [line for line in lines if line and not line.startswith('File "')
+            and not line.startswith("Detected at node")]
+    text = " ".join(kept).rstrip(".")
+    return text if len(text) <= _CAUSE else text[:_CAUSE - 1] + "…"
 
 
 __all__ = ["DistributedTrainingError", "ProcessGroup"]

@@ -44,6 +44,16 @@ def draw_seed(reproducible, seed, offset=0):
     return os_seed()
 
 
+def check_seed(reproducible, seed):
+    """Refuse a noise seed without ``reproducible=True`` (a fixed seed lets anyone
+    replay the noise and subtract it), and ``reproducible=True`` without a seed.
+    The one seed check of every model, trainer and release in kdp."""
+    if seed is not None and not reproducible:
+        raise ValueError("seed fixes the noise: pass reproducible=True as well (tests only)")
+    if reproducible and seed is None:
+        raise ValueError("reproducible=True needs an explicit seed (tests only): no seed is a default")
+
+
 def numpy_generator(reproducible=False, seed=None, offset=0):
     """A NumPy `Generator` seeded by `draw_seed` (64 bits of OS entropy by default)."""
     return np.random.default_rng(draw_seed(reproducible, seed, offset))

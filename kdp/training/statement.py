@@ -8,8 +8,7 @@ smaller δ, and what the guarantee does **not** cover.
 
 from collections import Counter
 
-from kdp import accounting
-from kdp.training.objective import effective_noise_multiplier
+from kdp import privacy
 
 #: The two other δ of the statement, as fractions of the model's δ.
 OTHER_DELTAS = (0.1, 0.01)
@@ -50,7 +49,7 @@ def privacy_statement(model, accountant="rdp"):
         delta = params.delta
         lines.append(f"Privacy spent ({accountant.upper()} accountant):")
         for d in (delta,) + tuple(delta * f for f in OTHER_DELTAS):
-            eps = accounting.epsilon_of_events(events, d, accountant)
+            eps = privacy.epsilon_of_events(events, d, accountant)
             note = " (the model's δ)" if d == delta else ""
             lines.append(f"  ε = {eps:.4g} at δ = {d:.3g}{note}")
     else:
@@ -60,18 +59,20 @@ def privacy_statement(model, accountant="rdp"):
 
 
 def _mechanism(model):
-    params, b = model.dp_parameters, model.dataset_metadata.batch_size
-    if params.clipping_norm is not None:
+    plan = model.step_plan()
+    sigma, b = plan.noise_multiplier, plan.batch_size
+    if plan.clipping_norm is not None:
+        params = model.dp_parameters
         return (f"DP-SGD with per-example gradient clipping ({params.clipping}, C = "
                 f"{params.clipping_norm}) and Gaussian noise of std σ·C/b on the clipped sum, "
-                f"σ = {params.noise_multiplier:.4g}, b = {b} (Abadi et al. 2016).")
+                f"σ = {sigma:.4g}, b = {b} (Abadi et al. 2016).")
     text = ("Clipless DP-SGD (Béthune et al. 2024): Lipschitz layers bound every example's "
             "gradient norm analytically (no clipping); the gradient of the loss summed over "
             f"the batch and divided by b = {b} gets Gaussian noise of std σ·Δ/b, "
-            f"σ = {params.noise_multiplier:.4g}")
-    if params.noisify_strategy == "per-layer" and model.built:
+            f"σ = {sigma:.4g}")
+    if plan.noisify_strategy == "per-layer" and model.built:
         text += (f", one draw per variable (per-layer noise, equivalent to one Gaussian of "
-                 f"multiplier σ_eff = {effective_noise_multiplier(model):.4g})")
+                 f"multiplier σ_eff = {plan.effective_noise_multiplier:.4g})")
     return text + "."
 
 

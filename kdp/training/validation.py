@@ -88,6 +88,35 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
     return x, y, weights
 
 
+def check_distinct_records(x, y, weights):
+    """Refuse a batch that holds the same record twice (identical inputs and label,
+    weight > 0): its sum would move by ``k·Δ`` for a record seen ``k`` times, while
+    a step is accounted for sensitivity ``Δ``. Rows of weight 0 (padding) are
+    ignored. Used for batches a user builds (`train_on_batch`); `fit` samples
+    each record at most once per batch itself.
+
+    Raises:
+        DataValidationError: naming the rows and the multiplicity.
+    """
+    live = np.flatnonzero(np.asarray(weights) > 0)
+    if len(live) < 2:
+        return
+    parts = [np.ascontiguousarray(np.asarray(leaf)[live]).reshape(len(live), -1).view(np.uint8)
+             for leaf in keras.tree.flatten(x) + [np.asarray(y)]]
+    rows = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    keys = rows.view(np.dtype((np.void, rows.shape[1]))).ravel()
+    _, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    if counts.max() > 1:
+        twice = live[first[np.argmax(counts)]]
+        raise DataValidationError(
+            f"the batch holds the same record {counts.max()} times (row {twice} and "
+            f"{counts.max() - 1} identical row(s)): its gradient would count {counts.max()}× "
+            "against a step accounted for one record. Remove the repeats (sample indices "
+            "without replacement, or let fit sample), or, if identical rows are distinct people, "
+            "account for them with group privacy (a group of k records costs the ε of "
+            "sensitivity k·Δ). Nothing was spent.")
+
+
 def _weights(y, rows, sample_weight, class_weight):
     weights = (np.ones(rows, "float32") if sample_weight is None
                else np.asarray(sample_weight, "float32"))

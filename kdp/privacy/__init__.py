@@ -1,0 +1,30 @@
+"""Pure privacy maths on `dp_accounting` events: never a model, never Keras.
+
+* `events`: the `DpEvent`s of kdp's releases (DP-SGD steps, private quantiles)
+  and ``σ_eff`` of per-layer noise;
+* `serialization`: events to and from JSON-serialisable dicts;
+* `accountants`: ε of a composition of events (RDP or PLD) under a neighbouring
+  relation (add/remove-one by default, or replace-one);
+* `calibration`: the smallest σ for a target ε;
+* `limits`: how many more releases fit a budget.
+
+A model's side (its mechanism, planned releases, epochs) is `kdp.training.budget`;
+`kdp.accounting` is the public face of both.
+"""
+
+from kdp.privacy.accountants import (ACCOUNTANTS, ADD_OR_REMOVE_ONE, RDP_ORDERS, REPLACE_ONE,
+                                     REPLACE_ONE_ORDERS, compute_epsilon, epsilon_of_events,
+                                     make_accountant, rdp_curve, rdp_orders)
+from kdp.privacy.calibration import CalibratedNoiseMultiplier, calibrate_noise_multiplier
+from kdp.privacy.events import (ASSUMPTIONS, SAMPLINGS, effective_noise_multiplier,
+                                quantile_event, training_event)
+from kdp.privacy.limits import largest_count, max_count, max_steps
+from kdp.privacy.serialization import event_from_config, event_to_config
+
+__all__ = [
+    "ACCOUNTANTS", "ADD_OR_REMOVE_ONE", "ASSUMPTIONS", "CalibratedNoiseMultiplier", "RDP_ORDERS",
+    "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS", "calibrate_noise_multiplier",
+    "compute_epsilon", "effective_noise_multiplier", "epsilon_of_events", "event_from_config",
+    "event_to_config", "largest_count", "make_accountant", "max_count", "max_steps",
+    "quantile_event", "rdp_curve", "rdp_orders", "training_event",
+]

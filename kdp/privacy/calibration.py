@@ -1,0 +1,62 @@
+"""Calibration of σ: the smallest noise multiplier whose steps fit a target ε."""
+
+import dp_accounting
+
+from kdp._quiet import quiet_dp_accounting
+from kdp.privacy._checks import check_positive
+from kdp.privacy.accountants import ADD_OR_REMOVE_ONE, epsilon_of_events, make_accountant
+from kdp.privacy.events import training_event
+
+
+@quiet_dp_accounting()
+def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, accountant="rdp",
+                               sampling="poisson", steps_per_epoch=None, extra_events=(),
+                               neighboring=ADD_OR_REMOVE_ONE):
+    """Smallest σ (to 1e-4) whose ``steps`` steps cost at most ``target_epsilon`` at ``delta``
+    under ``neighboring`` (`dp_accounting.calibrate_dp_mechanism`).
+
+    ``extra_events``: other releases composed with the training (e.g. the
+    `quantile_event` of adaptive clipping, or ``model.privacy_ledger.events()``).
+
+    With ``accountant="pld"`` the search is bracketed by the RDP answer (RDP is
+    never tighter than PLD), which keeps PLD away from tiny σ, where it is slow.
+    """
+    check_positive(target_epsilon=target_epsilon)
+
+    extra_events = list(extra_events)
+
+    def event(s):
+        train = training_event(s, sampling_rate, steps, sampling, steps_per_epoch)
+        return dp_accounting.ComposedDpEvent(extra_events + [train]) if extra_events else train
+
+    bracket = dp_accounting.LowerEndpointAndGuess(1e-2, 1.0)
+    if accountant == "pld":
+        hi = calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, "rdp",
+                                        sampling, steps_per_epoch, extra_events, neighboring)
+        lo = hi / 2
+        while lo > 1e-3 and epsilon_of_events([event(lo)], delta, "pld",
+                                              neighboring) <= target_epsilon:
+            lo /= 2
+        bracket = dp_accounting.ExplicitBracketInterval(lo, hi)
+    sigma = dp_accounting.calibrate_dp_mechanism(
+        lambda: make_accountant(accountant, neighboring), event, target_epsilon, delta, bracket,
+        tol=1e-4)
+    return CalibratedNoiseMultiplier(sigma, target_epsilon, sampling_rate, steps, delta,
+                                     accountant, sampling, steps_per_epoch, neighboring)
+
+
+class CalibratedNoiseMultiplier(float):
+    """A σ returned by `calibrate_noise_multiplier`: a float that remembers what it
+    was calibrated for (``target_epsilon, sampling_rate, steps, delta,
+    accountant, sampling, steps_per_epoch, neighboring``), so that a model whose
+    steps are not one Gaussian of multiplier σ (per-layer noise) can warn
+    (`kdp.training.budget.plain_calibration_warning`)."""
+
+    def __new__(cls, sigma, target_epsilon, sampling_rate, steps, delta, accountant="rdp",
+                sampling="poisson", steps_per_epoch=None, neighboring=ADD_OR_REMOVE_ONE):
+        self = super().__new__(cls, sigma)
+        self.calibration = dict(target_epsilon=target_epsilon, sampling_rate=sampling_rate,
+                                steps=steps, delta=delta, accountant=accountant,
+                                sampling=sampling, steps_per_epoch=steps_per_epoch,
+                                neighboring=neighboring)
+        return self

@@ -1,0 +1,331 @@
+"""One `fit` of a DP model: arrays → validation → sampling → plan → gate → Keras' loop.
+
+`fit_session` is what `DP_Model.fit` does:
+
+1. refuse, before anything changes (no weight projected, nothing recorded), what
+   cannot be trained as claimed: a bad configuration, invalid data
+   (`kdp.training.validation`), a budget already spent (the model's or a
+   `DP_Accountant`'s);
+2. sample the arrays (`kdp.training.sampling`: Poisson by default) at the rate of
+   the model's `StepPlan`, or validate a stream in shuffle mode;
+3. project the constrained weights, reseed the noise and open a run in the
+   ledger; the compiled step then spends, through the gated train function
+   (`kdp.training.stepping`), one recorded release of the plan per step;
+4. run Keras' own loop with `_GateCallback` first (budget stop, ε in the logs,
+   provable refunds at an epoch's end) and a progress bar that ends where a
+   budget stop ends the epoch.
+"""
+
+import contextlib
+import importlib.util
+import os
+import warnings
+
+import keras
+import numpy as np
+
+from kdp import distribute
+from kdp.training import budget
+from kdp.training.callbacks import DP_Accountant, PrivacyJournal
+from kdp.training.ledger import LedgerJournal
+from kdp.training.processes import DistributedTrainingError, ProcessGroup
+from kdp.training.sampling import fit_batches
+from kdp.training.stepping import finish_releases, kdp_error, set_cotangent_scale
+from kdp.training.validation import DataValidationError, probe_loss, validate_batch, validate_stream
+
+
+class _GateCallback(keras.callbacks.Callback):
+    """`fit`'s side of the gate: takes back the steps of a block that provably did
+    not run (the end of an epoch inside a ``steps_per_execution`` block: neither
+    Keras nor the step's host check saw them), stops training before a block the
+    budgets would not allow (`fit` then warns), and writes ``epsilon`` (RDP) into
+    every step's logs (when anything reads them) and ``epsilon``, ``delta`` into
+    every epoch's.
+
+    It is first in `fit`'s list, so other callbacks (checkpoints, accountants)
+    see a ledger that covers the step they observe. It reads ``self._model``, not
+    ``self.model`` (whose JAX state sync would cost three copies of the weights
+    per step). On several processes (``processes``) it checks that their ledgers
+    and budgets agree at the first step and at every epoch's end.
+    """
+
+    def __init__(self, mechanism, block, processes=None, epsilon_per_step=True):
+        super().__init__()
+        self.mechanism, self.block = mechanism, block
+        self.processes = processes
+        self.epsilon_per_step = epsilon_per_step
+        self._verified = processes is None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._recorded = 0  # steps of this epoch recorded (run or about to run)
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._verified:
+            self.processes.verify()
+            self._verified = True
+        self._recorded += self.block
+
+    def on_train_batch_end(self, batch, logs=None):
+        gate = self._model.privacy_gate
+        done = batch + 1  # Keras passes the index of the last step executed
+        if done < self._recorded:
+            gate.settle(self._recorded - done)
+            self._recorded = done
+        if logs is not None and self.epsilon_per_step:  # RDP: ~0.3 ms, skipped if unread
+            logs["epsilon"] = gate.privacy_spent()[0]
+        if gate.remaining(self.mechanism) < self.block and not self._last_step(done):
+            self._model.stop_training = True
+            self._model._budget_stop = True
+
+    def _last_step(self, done):
+        params = self.params or {}
+        return self._epoch + 1 == params.get("epochs") and done == params.get("steps")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.processes is not None:
+            self.processes.verify()
+        if logs is not None:  # every later callback sees ε and δ, with or without DP_Accountant
+            logs["epsilon"], logs["delta"] = self._model.privacy_spent()
+
+
+class _ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar, except that an epoch cut short by the privacy budget
+    ends at the number of steps that ran (Keras would show the full epoch)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if getattr(self._model, "_budget_stop", False) and self.progbar is not None:
+            self.target = self.progbar.target = self.seen
+        super().on_epoch_end(epoch, logs)
+
+
+def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
+                validation_split=0.0, sample_weight=None, class_weight=None,
+                steps_per_epoch=None, **kwargs):
+    """`DP_Model.fit` (see its docstring); ``keras_fit`` is Keras' own ``fit``."""
+    model._check_dp_once()
+    set_cotangent_scale(model)
+    message = budget.plain_calibration_warning(model)
+    if message:
+        warnings.warn(message, stacklevel=3)
+    md, params = model.dataset_metadata, model.dp_parameters
+    if validation_split:
+        raise ValueError("validation_split would change N: pass validation_data instead")
+    if batch_size is not None and batch_size != md.batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} differs from dataset_metadata.batch_size={md.batch_size}")
+    callbacks = list(callbacks or [])
+    journal = _journal_for(callbacks)
+    processes = ProcessGroup.of(model)
+    if processes is not None:
+        x = _join_processes(model, processes, x, y, sample_weight, class_weight, journal, kwargs)
+        x, steps_per_epoch = fit_batches(*x, md.batch_size, params, steps_per_epoch,
+                                         replicas=distribute.local_replicas(model),
+                                         processes=processes)
+        y = sample_weight = None
+    elif is_arrays(x):
+        x, y, weights = _check_arrays(model, x, y, sample_weight, class_weight)
+        x, steps_per_epoch = fit_batches(
+            x, y, weights, md.batch_size, params, steps_per_epoch,
+            replicas=distribute.num_replicas(model))  # data-parallel: shard the global batch
+        y = sample_weight = None
+    elif params.sampling == "poisson":
+        raise ValueError(
+            "fit received a dataset or generator, whose batches kdp cannot make Poisson. "
+            "Pass NumPy arrays (Poisson sampling), or set DPParameters(sampling='shuffle') "
+            "to train on shuffled fixed-size batches with the matching (weaker) accounting.")
+    elif class_weight is not None or sample_weight is not None:
+        raise ValueError("with a dataset, put the weights (in [0, 1]) in the dataset itself")
+    else:
+        x = validate_stream(model, x, md.batch_size)
+    # Each batch is already a fresh draw (or the stream's own order); Keras'
+    # shuffle would reorder, and for shuffled passes interleave, them.
+    kwargs["shuffle"] = False
+    _check_tensorboard(callbacks)
+    plan = model.step_plan()
+    gate, mechanism = model.privacy_gate, plan.fit_mechanism
+    if journal is not None and processes is None:  # recover the steps of a run that was killed
+        model.merge_ledger(journal.read())
+    _check_budgets(model, callbacks, mechanism)  # refused: nothing changed, not even the weights
+    model.project_weights()
+    model._budget_stop = False
+    gate.journal = journal if processes is None or processes.index == 0 else None
+    object.__setattr__(model, "_release_per_call", (mechanism, plan.block))  # untracked by Keras
+    if processes is None:
+        gate.begin_run(noise_seed=model._noise_seed, reproducible=params.reproducible)
+    else:  # one run, named by process 0, in every process's ledger; process 0's noise seed
+        model._reseed_noise()
+        gate.run, gate.processes = processes.run, processes
+    try:
+        per_step = _reads_batch_logs(callbacks, kwargs.get("verbose", "auto"))
+        callbacks = [_GateCallback(mechanism, plan.block, processes, per_step)] + callbacks
+        if not any(isinstance(cb, keras.callbacks.ProgbarLogger) for cb in callbacks):
+            callbacks.append(_ProgbarLogger())  # where Keras would put its own
+        with _sharded_input(processes):
+            try:
+                history = keras_fit(x, y, epochs=epochs, callbacks=callbacks,
+                                    sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
+                                    **kwargs)
+            except Exception as e:  # a refusal raised inside a tf.data pipeline: kdp's own type
+                translated = kdp_error(e)
+                if translated is e:
+                    raise
+                raise translated from e
+        if processes is not None:
+            processes.verify()
+        if model._budget_stop:
+            warnings.warn(_budget_stop_message(model), stacklevel=3)
+        return history
+    except Exception as e:
+        if processes is None or isinstance(e, (DistributedTrainingError, NotImplementedError)):
+            raise
+        raise processes.failure(e, journal) from e
+    finally:
+        gate.journal = gate.processes = None
+        object.__setattr__(model, "_release_per_call", None)  # untracked by Keras
+        finish_releases(model)
+
+
+def _check_budgets(model, callbacks, mechanism):
+    """Raise `BudgetExceededError` now if the model's budget or a `DP_Accountant`'s
+    allows no step (the callback would refuse only after the weights were projected)."""
+    gate = model.privacy_gate
+    extra = [cb for cb in callbacks if isinstance(cb, DP_Accountant) and cb.epsilon_max is not None]
+    for cb in extra:
+        gate.add_budget(("precheck", id(cb)), cb.epsilon_max, cb.accountant)
+    try:
+        gate.check(mechanism, 1)
+    finally:
+        for cb in extra:
+            gate.remove_budget(("precheck", id(cb)))
+
+
+def _join_processes(model, processes, x, y, sample_weight, class_weight, journal, kwargs):
+    """`fit`'s checks on one of several processes: usage errors raised here (the
+    same on every process), then this shard's validation and the handshake
+    (`ProcessGroup.join`: every process raises, or none). Returns ``(x, y,
+    weights)`` of the validated shard."""
+    if not is_arrays(x):
+        raise ValueError("on several processes, fit takes each process's shard of the records "
+                         "as arrays (Poisson sampling at the global rate b/N)")
+    if model.dp_parameters.sampling != "poisson":
+        raise ValueError("training on several processes needs Poisson sampling (sampling='poisson')")
+    if kwargs.get("validation_data") is not None:
+        raise ValueError("validation_data is not supported on several processes: evaluate "
+                         "after training (a model's evaluation is not private anyway)")
+    _check_engine(model, processes)
+    error, shard = None, None
+    try:
+        shard = validate_batch(model, x, y, sample_weight, class_weight)
+        probe_loss(model, shard[0], shard[1])
+    except Exception as e:  # noqa: BLE001 (reported by every process, so all raise together)
+        error = f"{type(e).__name__}: {e}"
+    if journal is not None:  # recover the steps of a run that was killed
+        model.merge_ledger(journal.read())
+    processes.join(0 if shard is None else len(shard[1]), error, shard=shard)
+    return shard
+
+
+def _check_arrays(model, x, y, sample_weight, class_weight):
+    n = model.dataset_metadata.nb_samples_train
+    x, y, weights = validate_batch(model, x, y, sample_weight, class_weight)
+    probe_loss(model, x, y)
+    if len(y) != n:
+        raise DataValidationError(
+            f"got {len(y)} examples but dataset_metadata.nb_samples_train={n}: "
+            "the sampling rate would be wrong")
+    return x, y, weights
+
+
+def _check_engine(model, processes):
+    """Refuse an engine configuration under which the processes would not train
+    one model on one global batch."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if distribute.num_replicas(model) != jax.device_count():
+            raise ValueError(
+                f"{model.name}: {processes.count} JAX processes need a distribution whose batch "
+                f"axis spans all {jax.device_count()} devices of all processes: call "
+                "keras.distribution.set_distribution(keras.distribution.DataParallel()) on every "
+                "process before building the model")
+    elif distribute.local_replicas(model) != 1:
+        raise NotImplementedError(
+            f"{model.name}: MultiWorkerMirroredStrategy with {distribute.local_replicas(model)} "
+            "devices per worker is not supported: run one worker process per device")
+
+
+@contextlib.contextmanager
+def _sharded_input(processes):
+    """JAX: each process already passes its own shard, so Keras' distribution
+    must not shard the input again (``auto_shard_dataset`` off during `fit`)."""
+    distribution = (keras.distribution.distribution()
+                    if processes is not None and keras.backend.backend() == "jax" else None)
+    if not hasattr(distribution, "auto_shard_dataset"):
+        yield
+        return
+    before = distribution.auto_shard_dataset
+    distribution.auto_shard_dataset = False
+    try:
+        yield
+    finally:
+        distribution.auto_shard_dataset = before
+
+
+def _journal_for(callbacks):
+    """The `LedgerJournal` that `fit` writes ahead to: a `PrivacyJournal`
+    callback's, else one inside the ``backup_dir`` of a `BackupAndRestore`."""
+    for cb in callbacks:
+        if isinstance(cb, PrivacyJournal):
+            return cb.journal
+    for cb in callbacks:
+        if isinstance(cb, keras.callbacks.BackupAndRestore):
+            return LedgerJournal(os.path.join(cb.backup_dir, PrivacyJournal.FILENAME))
+    return None
+
+
+def _budget_stop_message(model):
+    eps, delta = model.privacy_spent()
+    limits = ", ".join(f"epsilon_max={e:g}" for e, _ in model.privacy_gate.budgets())
+    return (f"{model.name}: training stopped by the privacy budget ({limits}) after "
+            f"{model.privacy_ledger.training_steps(model.privacy_gate.run)} steps of this fit "
+            f"({model.privacy_ledger.training_steps()} in the ledger), at ε={eps:.4g} "
+            f"(δ={delta:g}); the next step would exceed it.")
+
+
+def _reads_batch_logs(callbacks, verbose):
+    """Whether anything reads the per-step logs: Keras' progress bar at
+    ``verbose=1`` (``"auto"``), or a callback with its own batch-end hook."""
+    if verbose not in (0, 2):
+        return True
+    base = keras.callbacks.Callback
+
+    def reads(cb):
+        if isinstance(cb, (keras.callbacks.ProgbarLogger, keras.callbacks.History)):
+            return False
+        declared = getattr(cb, "reads_batch_logs", None)  # e.g. DP_Accountant: writes only
+        if declared is not None:
+            return declared
+        return (type(cb).on_train_batch_end is not base.on_train_batch_end
+                or type(cb).on_batch_end is not base.on_batch_end)
+
+    return any(reads(cb) for cb in callbacks)
+
+
+def _check_tensorboard(callbacks):
+    """Refuse `keras.callbacks.TensorBoard` without the ``tensorboard`` package
+    now: it would fail at its first write, after a step was spent."""
+    if (any(isinstance(cb, keras.callbacks.TensorBoard) for cb in callbacks)
+            and importlib.util.find_spec("tensorboard") is None):
+        raise ImportError(
+            "keras.callbacks.TensorBoard needs the tensorboard package, which TensorFlow 2.21 "
+            "and later no longer install: pip install \"kdp[tensorboard]\" (or pip install "
+            "tensorboard). Nothing was spent.")
+
+
+def is_arrays(x):
+    """Whether ``x`` is in-memory arrays (sampled by kdp), not a dataset or generator."""
+    if isinstance(x, (np.ndarray, list, tuple, dict)):
+        return True
+    return hasattr(x, "__array__") and not (hasattr(x, "element_spec")
+                                           or isinstance(x, keras.utils.PyDataset))
