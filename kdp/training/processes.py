@@ -43,6 +43,7 @@ import numpy as np
 
 from kdp import distribute
 from kdp.training.ledger import PrivacyLedger, new_run_id
+from kdp.training.plan import noise_coefficients
 
 #: exchanged records are padded to a multiple of this many bytes (fewer shapes to trace)
 _BLOCK = 4096
@@ -189,9 +190,7 @@ class ProcessGroup:
         return {
             "dp_parameters": model.dp_parameters.get_config(),
             "dataset_metadata": model.dataset_metadata.get_config(),
-            "noise_coefficients": {v.path: float(getattr(layer, "nm_coef", 1.0))
-                                   for layer in model._flatten_layers(include_self=False)
-                                   for v in layer.trainable_weights},
+            "noise_coefficients": noise_coefficients(model),
             "variables": [[v.path, list(v.shape)] for v in model.trainable_variables],
             "local_replicas": distribute.local_replicas(model),
             "budgets": sorted(model.privacy_gate.budgets()),
