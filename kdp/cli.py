@@ -25,6 +25,8 @@ import time
 BACKENDS = ("tensorflow", "jax")
 DATASETS = ("digits", "breast_cancer")
 _REEXEC_FLAG = "KDP_CLI_REEXEC"
+#: the bundled datasets that are tables (the others are images)
+TABLES = ("breast_cancer",)
 #: the files the demo writes in ``--out``, for each dataset
 PLOT_FILE, REPORT_FILE = "demo_{}.png", "report_{}.json"
 
@@ -212,8 +214,9 @@ def run_demo(args):
     n = md.nb_samples_train
     if not args.delta < 1.0 / n:
         raise SystemExit(f"kdp demo: error: --delta must be < 1/N = {1.0 / n:.3g}")
+    kind = "table" if args.dataset in TABLES else "image"  # digits come flattened
     recipe = recipes.recipe(md.input_shape, md.nb_classes, n, args.epsilon, args.delta,
-                            method=args.method, max_norm=md.max_norm)
+                            method=args.method, max_norm=md.max_norm, kind=kind)
     md = recipe.metadata()
     q, spe = md.sampling_rate, md.steps_per_epoch
     sigma = args.noise_multiplier
@@ -264,7 +267,7 @@ def run_demo(args):
         "mechanism": ("per-example clipping, C = {:g}".format(recipe.clipping_norm)
                       if recipe.method == "clipping" else "Clipless, global noise"),
         "batch_size": md.batch_size, "sampling_rate": q, "epochs": len(history["epsilon"]),
-        "steps": model.privacy_ledger.training_steps(), "accountant": "rdp",
+        "steps": model.privacy_ledger.training_steps(), "accountant": model.privacy_gate.accountant,
         "recipe": recipe.describe().splitlines(),
         "test_accuracy": test_acc, "certified_radius": radius,
         "certified_accuracy": cert[float(radius)], "lipschitz_constant": lip,
@@ -290,7 +293,8 @@ def format_report(r):
         f"delta = {r['delta']:g}",
         f"  mechanism  {r['mechanism']}, sigma = {r['noise_multiplier']:.4f}, "
         f"steps = {r['steps']} ({r['epochs']} epochs), b = {r['batch_size']}, "
-        f"q = {r['sampling_rate']:.4f}, Poisson sampling, add/remove-one, RDP accountant",
+        f"q = {r['sampling_rate']:.4f}, Poisson sampling, add/remove-one, "
+        f"{r['accountant'].upper()} accountant",
         f"  utility    test accuracy = {r['test_accuracy']:.4f}",
         f"  robustness {robustness}",
         f"  run        wall time = {r['wall_time_s']:.1f} s"

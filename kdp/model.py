@@ -19,6 +19,7 @@ from kdp import distribute
 from kdp.bounds import compute_gradient_bounds  # noqa: F401 (public name)
 from kdp.layers.base import serializable
 from kdp.layers.constraints import project
+from kdp.losses.probabilities import output_probabilities
 from kdp.metadata import DatasetMetadata
 from kdp.privacy import ADD_OR_REMOVE_ONE
 from kdp.training import budget, checks, objective, saving, seeds, session, statement, stepping
@@ -116,19 +117,29 @@ class DPModelMixin:
         """The per-step mechanism of `fit` as a dict (`kdp.training.budget.privacy_spec`)."""
         return budget.privacy_spec(self)
 
-    def make_private(self, target_epsilon, epochs, delta=None):
+    def predict_proba(self, x, batch_size=None, verbose=0):
+        """Probabilities of ``x`` by the link of the model's loss (softmax(τ·z) for
+        τ-cross-entropy, sigmoid(τ·z) per output for τ-binary cross-entropy;
+        `kdp.losses.probabilities.output_probabilities`); costs no privacy."""
+        return output_probabilities(self.loss, self.predict(x, batch_size=batch_size,
+                                                            verbose=verbose))
+
+    def make_private(self, target_epsilon, epochs, delta=None, accountant="pld"):
         """Privacy in one call: set σ so that ``epochs`` epochs of `fit` reach at most
         ``target_epsilon`` (at ``delta``, default ``dp_parameters.delta``) for this
-        model's own noise, and enforce that target as its budget; return σ.
-        See `kdp.training.budget.make_private`."""
-        return budget.make_private(self, target_epsilon, epochs, delta)
+        model's own noise with ``accountant`` (PLD, or RDP), and enforce that target
+        as its budget with it; return σ. See `kdp.training.budget.make_private`."""
+        return budget.make_private(self, target_epsilon, epochs, delta, accountant)
 
-    def privacy_statement(self, accountant="rdp"):
-        """A text for a model card (`kdp.training.statement.privacy_statement`)."""
+    def privacy_statement(self, accountant=None):
+        """A text for a model card (`kdp.training.statement.privacy_statement`),
+        ε by ``accountant`` (``None``: the model's, that of its budget)."""
         return statement.privacy_statement(self, accountant)
 
-    def privacy_spent(self, accountant="rdp"):
-        """``(ε, δ)`` spent so far by every release in the ledger."""
+    def privacy_spent(self, accountant=None):
+        """``(ε, δ)`` spent so far by every release in the ledger, with
+        ``accountant`` (``None``: the model's, that of its budget:
+        `kdp.training.PrivacyGate.accountant_for`)."""
         return self.privacy_gate.privacy_spent(accountant)
 
     def merge_ledger(self, ledger):
@@ -168,17 +179,15 @@ class DPModelMixin:
             self.optimizer.build(self.trainable_variables)
 
     def save_own_variables(self, store):
-        """Keras' weights saving, plus the ledger (`kdp.training.saving`). The
-        noise generator's state is never saved."""
+        """Keras' weights saving, plus the ledger and the budget's accountant
+        (`kdp.training.saving`). The noise generator's state is never saved."""
         super().save_own_variables(store)
-        saving.save_ledger(store, self.privacy_ledger)
+        saving.save_privacy(store, self.privacy_gate)
 
     def load_own_variables(self, store):
-        """Keras' weights loading; the file's ledger is merged into the model's."""
-        ledger, store = saving.load_ledger(store)
-        if ledger is not None:
-            self.merge_ledger(ledger)
-        super().load_own_variables(store)
+        """Keras' weights loading; the file's ledger is merged into the model's
+        and its budget's accountant restored."""
+        super().load_own_variables(saving.load_privacy(store, self.privacy_gate))
         self._reseed_noise()
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
@@ -192,7 +201,9 @@ class DPModelMixin:
         ``b`` records per pass. Datasets and generators are only accepted with
         ``sampling="shuffle"`` (batches of at most ``b`` records, each record at
         most once per pass: the user's promise); each of their batches passes
-        the validator. ``sample_weight`` and ``class_weight`` must lie in [0, 1].
+        the validator. ``sample_weight`` must lie in [0, 1]; a ``class_weight``
+        above 1 is divided by its largest value (the sensitivity scaled by it,
+        `kdp.training.validation.normalized_class_weight`).
         Other arguments are those of `keras.Model.fit`. A refused `fit` changes
         no weight and records nothing.
 

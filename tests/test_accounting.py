@@ -14,6 +14,7 @@ import pytest
 from kdp import accounting, layers, losses
 from kdp.model import DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
+from kdp.privacy import PLD_DISCRETIZATION
 
 DELTA = 1e-5
 
@@ -42,7 +43,9 @@ def analytic_gaussian_epsilon(sigma, delta):
 
 
 def direct_epsilon(sigma, q, steps, delta, accountant):
-    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    """dp-accounting alone: RDP, or PLD at kdp's documented `PLD_DISCRETIZATION`."""
+    acc = (dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else
+           dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION))
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
     return acc.get_epsilon(delta)
 
@@ -162,10 +165,13 @@ def test_per_layer_sigma_eff_uses_the_noise_coefficients():
     (100, 3.140, 2.891, 9.122, 8.416),
 ])
 def test_anchor_table(epochs, rdp_g, pld_g, rdp_l, pld_l):
+    # kdp's PLD grid (PLD_DISCRETIZATION = 1e-3, 10x dp-accounting's default) rounds
+    # privacy losses up: ε may exceed the paper's by up to ~0.1 % (2.8938 for 2.891).
     steps = 60 * epochs
     for sigma, rdp, pld in ((2.0, rdp_g, pld_g), (1.0, rdp_l, pld_l)):
         assert accounting.compute_epsilon(sigma, 1 / 60, steps, DELTA, "rdp") == pytest.approx(rdp, abs=1.5e-3)
-        assert accounting.compute_epsilon(sigma, 1 / 60, steps, DELTA, "pld") == pytest.approx(pld, abs=1.5e-3)
+        eps = accounting.compute_epsilon(sigma, 1 / 60, steps, DELTA, "pld")
+        assert pld - 1.5e-3 <= eps <= pld * 1.0015 + 1.5e-3
 
 
 # --- shuffled batches -----------------------------------------------------------------

@@ -126,8 +126,10 @@ def test_demo_end_to_end(tmp_path):
     assert 0 < report["epsilon"] <= 2.0 + 1e-9
     assert report["method"] == "clipless" and report["batch_size"] == 256
     assert report["delta"] == 1e-5 and report["steps"] == 2 * 6 and report["epochs"] == 2
-    # ε recomputed independently of the callback from (σ, q, steps)
-    eps = accounting.compute_epsilon(report["noise_multiplier"], 256 / 1437, 12, 1e-5)
+    # ε recomputed independently of the callback from (σ, q, steps), with the accountant
+    # make_private chose (PLD by default)
+    assert report["accountant"] == "pld"
+    eps = accounting.compute_epsilon(report["noise_multiplier"], 256 / 1437, 12, 1e-5, "pld")
     assert report["epsilon"] == pytest.approx(eps, rel=1e-6)
     assert 0 <= report["certified_accuracy"] <= report["test_accuracy"] <= 1
     assert len(report["history"]["epsilon"]) == 2

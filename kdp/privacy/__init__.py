@@ -4,7 +4,8 @@
   and ``σ_eff`` of per-layer noise;
 * `serialization`: events to and from JSON-serialisable dicts;
 * `accountants`: ε of a composition of events (RDP or PLD) under a neighbouring
-  relation (add/remove-one by default, or replace-one);
+  relation (add/remove-one by default, or replace-one), and the events PLD
+  cannot account;
 * `calibration`: the smallest σ for a target ε;
 * `limits`: how many more releases fit a budget.
 
@@ -12,9 +13,10 @@ A model's side (its mechanism, planned releases, epochs) is `kdp.training.budget
 `kdp.accounting` is the public face of both.
 """
 
-from kdp.privacy.accountants import (ACCOUNTANTS, ADD_OR_REMOVE_ONE, RDP_ORDERS, REPLACE_ONE,
-                                     REPLACE_ONE_ORDERS, compute_epsilon, epsilon_of_events,
-                                     make_accountant, rdp_curve, rdp_orders)
+from kdp.privacy.accountants import (ACCOUNTANTS, ADD_OR_REMOVE_ONE, PLD_DISCRETIZATION,
+                                     RDP_ORDERS, REPLACE_ONE, REPLACE_ONE_ORDERS,
+                                     check_accountant, compute_epsilon, epsilon_of_events,
+                                     make_accountant, pld_unsupported, rdp_curve, rdp_orders)
 from kdp.privacy.calibration import CalibratedNoiseMultiplier, calibrate_noise_multiplier
 from kdp.privacy.events import (ASSUMPTIONS, SAMPLINGS, effective_noise_multiplier,
                                 quantile_event, training_event)
@@ -22,9 +24,10 @@ from kdp.privacy.limits import largest_count, max_count, max_steps
 from kdp.privacy.serialization import event_from_config, event_to_config
 
 __all__ = [
-    "ACCOUNTANTS", "ADD_OR_REMOVE_ONE", "ASSUMPTIONS", "CalibratedNoiseMultiplier", "RDP_ORDERS",
-    "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS", "calibrate_noise_multiplier",
-    "compute_epsilon", "effective_noise_multiplier", "epsilon_of_events", "event_from_config",
-    "event_to_config", "largest_count", "make_accountant", "max_count", "max_steps",
+    "ACCOUNTANTS", "ADD_OR_REMOVE_ONE", "ASSUMPTIONS", "CalibratedNoiseMultiplier",
+    "PLD_DISCRETIZATION", "RDP_ORDERS", "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS",
+    "calibrate_noise_multiplier", "check_accountant", "compute_epsilon",
+    "effective_noise_multiplier", "epsilon_of_events", "event_from_config", "event_to_config",
+    "largest_count", "make_accountant", "max_count", "max_steps", "pld_unsupported",
     "quantile_event", "rdp_curve", "rdp_orders", "training_event",
 ]

@@ -1,6 +1,6 @@
 """ε of a composition of `DpEvent`s, with dp-accounting's RDP (Mironov 2017) or
-privacy-loss-distribution (PLD) accountant, under a neighbouring relation
-(`dp_accounting.NeighboringRelation`).
+privacy-loss-distribution (PLD; Koskela et al. 2020, Doroshenko et al. 2022)
+accountant, under a neighbouring relation (`dp_accounting.NeighboringRelation`).
 
 kdp's releases compose under **add/remove-one** adjacency (`ADD_OR_REMOVE_ONE`,
 the default); a mechanism sampled without replacement is analysed under
@@ -35,20 +35,72 @@ REPLACE_ONE_ORDERS = np.asarray(
 RDP_ORDERS.setflags(write=False)
 REPLACE_ONE_ORDERS.setflags(write=False)
 
+#: The grid of privacy-loss values of the PLD accountant: 1e-3, ten times
+#: dp-accounting's default, makes one ε about 7x faster (≈ 55 ms instead of
+#: ≈ 380 ms for 360 DP-SGD steps) and raises it by < 0.02 % at 360 steps, 0.11 %
+#: at 6000 (2.8938 instead of 2.8905). dp-accounting's estimate stays pessimistic
+#: (every privacy loss rounded up): an upper bound on ε.
+PLD_DISCRETIZATION = 1e-3
+
 
 def rdp_orders(neighboring=ADD_OR_REMOVE_ONE):
     """The Rényi orders of the RDP accountant under ``neighboring``."""
     return REPLACE_ONE_ORDERS if neighboring is REPLACE_ONE else RDP_ORDERS
 
 
+def check_accountant(accountant):
+    """Raise `ValueError` unless ``accountant`` is one of `ACCOUNTANTS`."""
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+
+
 def make_accountant(accountant="rdp", neighboring=ADD_OR_REMOVE_ONE):
-    """A fresh dp-accounting accountant: ``"rdp"`` (at `rdp_orders`) or ``"pld"``."""
+    """A fresh dp-accounting accountant: ``"rdp"`` (at `rdp_orders`) or ``"pld"``
+    (pessimistic, at `PLD_DISCRETIZATION`)."""
+    check_accountant(accountant)
     if accountant == "rdp":
         return dp_accounting.rdp.RdpAccountant(rdp_orders(neighboring),
                                               neighboring_relation=neighboring)
-    if accountant == "pld":
-        return dp_accounting.pld.PLDAccountant(neighboring_relation=neighboring)
-    raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    cls = _CachedPLDAccountant if _CACHEABLE_PLD else dp_accounting.pld.PLDAccountant
+    return cls(neighboring_relation=neighboring, value_discretization_interval=PLD_DISCRETIZATION)
+
+
+class _CachedPLDAccountant(dp_accounting.pld.PLDAccountant):
+    """dp-accounting's PLD accountant, except that the PLD of ``count`` self-composed
+    Poisson-subsampled Gaussians (DP-SGD steps, private quantiles) is built as it
+    builds it but cached (`_poisson_gaussian_pld`): the same ε bit for bit, without
+    rebuilding every ledger entry for every ε a budget's bisection or a step's logs
+    ask for (building one costs ~60 ms at `PLD_DISCRETIZATION`)."""
+
+    def _maybe_compose(self, event, count, do_compose):
+        if (do_compose and isinstance(event, dp_accounting.PoissonSampledDpEvent)
+                and isinstance(event.event, dp_accounting.GaussianDpEvent)
+                and event.sampling_probability > 0 and event.event.noise_multiplier > 0):
+            self._pld = self._pld.compose(_poisson_gaussian_pld(
+                event.sampling_probability, event.event.noise_multiplier, count,
+                self._value_discretization_interval, self.neighboring_relation))
+            return None
+        return super()._maybe_compose(event, count, do_compose)
+
+
+#: the private state `_CachedPLDAccountant` relies on (else the plain accountant)
+_CACHEABLE_PLD = all(hasattr(dp_accounting.pld.PLDAccountant(), name)
+                     for name in ("_pld", "_value_discretization_interval"))
+
+
+@functools.lru_cache(maxsize=64)
+def _poisson_gaussian_pld(sampling_probability, noise_multiplier, count, discretization,
+                          neighboring):
+    return _unit_poisson_gaussian_pld(sampling_probability, noise_multiplier, discretization,
+                                      neighboring).self_compose(count)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_poisson_gaussian_pld(sampling_probability, noise_multiplier, discretization,
+                               neighboring):
+    return dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, value_discretization_interval=discretization,
+        sampling_prob=sampling_probability, neighboring_relation=neighboring)
 
 
 def _unit_rdp(event, neighboring):
@@ -109,26 +161,61 @@ def _rdp_epsilon(events, delta, neighboring):
     return float(_rdp_lib.compute_epsilon(rdp_orders(neighboring), curve, delta)[0])
 
 
-def _check_pld_supports(acc, events, neighboring):
+def pld_unsupported(events, neighboring=ADD_OR_REMOVE_ONE):
+    """The events inside ``events`` (through compositions) that dp-accounting's PLD
+    accountant cannot account under ``neighboring`` (RDP only: e.g. a private
+    hyper-parameter selection, ``RepeatAndSelectDpEvent``, Papernot and Steinke
+    2022, or sampling without replacement)."""
+    acc = make_accountant("pld", neighboring)
+    found = []
+
+    def visit(event):
+        while isinstance(event, dp_accounting.SelfComposedDpEvent):
+            event = event.event
+        if isinstance(event, dp_accounting.ComposedDpEvent):
+            for inner in event.events:
+                visit(inner)
+        elif not acc.supports(event):
+            found.append(event)
+
     for event in events:
-        if not acc.supports(event):
-            raise ValueError(
-                f"dp-accounting accounts this {type(event).__name__} under "
-                f"{neighboring.name} in RDP only (its PLD accountant does not support it: "
-                "e.g. a private hyper-parameter selection, Papernot and Steinke 2022, or "
-                "sampling without replacement): use accountant='rdp'")
+        visit(event)
+    return found
+
+
+def _pld_epsilon(events, delta, neighboring):
+    unsupported = pld_unsupported(events, neighboring)
+    if unsupported:
+        raise ValueError(
+            f"dp-accounting accounts this {type(unsupported[0]).__name__} under "
+            f"{neighboring.name} in RDP only (its PLD accountant does not support it: "
+            "e.g. a private hyper-parameter selection, Papernot and Steinke 2022, or "
+            "sampling without replacement): use accountant='rdp'")
+    configs = json.dumps([event_to_config(event) for event in events], sort_keys=True)
+    return _pld_epsilon_of_config(configs, delta, neighboring)
+
+
+@functools.lru_cache(maxsize=256)
+def _pld_epsilon_of_config(configs, delta, neighboring):
+    """Cached by the events' JSON form: training asks for ε of the same ledger
+    several times (the last step's logs, the epoch's, a callback's, the statement)."""
+    acc = make_accountant("pld", neighboring)
+    for config in json.loads(configs):
+        acc.compose(event_from_config(config))
+    return float(acc.get_epsilon(delta))
 
 
 @quiet_dp_accounting()
 def epsilon_of_events(events, delta, accountant="rdp", neighboring=ADD_OR_REMOVE_ONE):
-    """ε at ``delta`` of the composition of ``events`` under ``neighboring``."""
+    """ε at ``delta`` of the composition of ``events`` under ``neighboring``
+    (`ValueError` for PLD if one of them is `pld_unsupported`)."""
     check_delta(delta)
     events = list(events)
     if accountant == "rdp" and hasattr(dp_accounting.rdp.RdpAccountant(), "_rdp"):
         return _rdp_epsilon(events, delta, neighboring)
-    acc = make_accountant(accountant, neighboring)
     if accountant == "pld":
-        _check_pld_supports(acc, events, neighboring)
+        return _pld_epsilon(events, delta, neighboring)
+    acc = make_accountant(accountant, neighboring)
     for event in events:
         acc.compose(event)
     return float(acc.get_epsilon(delta))

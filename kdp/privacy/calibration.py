@@ -18,8 +18,8 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
     ``extra_events``: other releases composed with the training (e.g. the
     `quantile_event` of adaptive clipping, or ``model.privacy_ledger.events()``).
 
-    With ``accountant="pld"`` the search is bracketed by the RDP answer (RDP is
-    never tighter than PLD), which keeps PLD away from tiny σ, where it is slow.
+    With ``accountant="pld"`` the search is bracketed first (`_pld_bracket`),
+    which keeps PLD away from tiny σ, where it is slow.
     """
     check_positive(target_epsilon=target_epsilon)
 
@@ -29,20 +29,34 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
         train = training_event(s, sampling_rate, steps, sampling, steps_per_epoch)
         return dp_accounting.ComposedDpEvent(extra_events + [train]) if extra_events else train
 
-    bracket = dp_accounting.LowerEndpointAndGuess(1e-2, 1.0)
     if accountant == "pld":
-        hi = calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, "rdp",
-                                        sampling, steps_per_epoch, extra_events, neighboring)
-        lo = hi / 2
-        while lo > 1e-3 and epsilon_of_events([event(lo)], delta, "pld",
-                                              neighboring) <= target_epsilon:
-            lo /= 2
-        bracket = dp_accounting.ExplicitBracketInterval(lo, hi)
+        bracket = _pld_bracket(
+            lambda s: epsilon_of_events([event(s)], delta, "pld", neighboring) <= target_epsilon)
+    else:
+        bracket = dp_accounting.LowerEndpointAndGuess(1e-2, 1.0)
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: make_accountant(accountant, neighboring), event, target_epsilon, delta, bracket,
         tol=1e-4)
     return CalibratedNoiseMultiplier(sigma, target_epsilon, sampling_rate, steps, delta,
                                      accountant, sampling, steps_per_epoch, neighboring)
+
+
+def _pld_bracket(fits):
+    """An interval ``[lo, hi]`` holding the smallest σ that ``fits`` the target, with
+    ``hi / lo = 2``: ``hi`` is 1 doubled while it does not fit, ``lo`` is ``hi``
+    halved while it fits (down to 1e-3)."""
+    hi = 1.0
+    for _ in range(31):
+        if fits(hi):
+            break
+        hi *= 2
+    else:
+        raise dp_accounting.mechanism_calibration.NoBracketIntervalFoundError(
+            f"no σ up to {hi:g} reaches the target with PLD: the extra events cost it")
+    lo = hi / 2
+    while lo > 1e-3 and fits(lo):
+        hi, lo = lo, lo / 2
+    return dp_accounting.ExplicitBracketInterval(lo, hi)
 
 
 class CalibratedNoiseMultiplier(float):

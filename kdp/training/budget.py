@@ -6,9 +6,14 @@ releases) register a plan on the model's gate, so that budgets computed before
 or during `fit` include their future cost. A plan is an object with
 ``planned_events(steps) -> [DpEvent]``: the releases it will make during the
 next ``steps`` training steps (those already made are in the ledger).
+
+A model's accountant (``accountant=None`` below) is that of its persistent
+budget, `PrivacyGate.accountant`: RDP, or what `make_private` chose (PLD by
+default), so ε in the logs, the budget and the privacy statement agree.
 """
 
 import math
+import warnings
 
 from kdp import privacy
 from kdp.training.ledger import mechanism_event
@@ -57,17 +62,19 @@ def fit_event(model, epochs):
     return dp_accounting.ComposedDpEvent(fit_events(model, epochs))
 
 
-def get_eps_delta(model, epochs, accountant="rdp"):
-    """``(ε, δ)`` after ``epochs`` more epochs of ``model.fit`` (plus what it already spent)."""
+def get_eps_delta(model, epochs, accountant=None):
+    """``(ε, δ)`` after ``epochs`` more epochs of ``model.fit`` (plus what it already
+    spent), with ``accountant`` (``None``: the model's)."""
     events = model.privacy_ledger.events() + fit_events(model, epochs)
-    delta = model.step_plan().delta
-    return privacy.epsilon_of_events(events, delta, accountant), delta
+    plan = model.step_plan()
+    accountant = model.privacy_gate.accountant_for(events, accountant)
+    return privacy.epsilon_of_events(events, plan.delta, accountant, plan.neighboring), plan.delta
 
 
-def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
+def calibrate_model_noise(model, target_epsilon, epochs, accountant=None):
     """Set ``model.dp_parameters`` to a copy whose σ is the smallest with which
     ``epochs`` more epochs (after the ledger, with the planned releases) cost at
-    most ``target_epsilon``; return that σ.
+    most ``target_epsilon`` with ``accountant`` (``None``: the model's); return that σ.
 
     Unlike `kdp.privacy.calibrate_noise_multiplier`, this accounts for the noise
     strategy: with ``"per-layer"`` noise a step is one Gaussian of
@@ -78,17 +85,20 @@ def calibrate_model_noise(model, target_epsilon, epochs, accountant="rdp"):
     ratio = plan.effective_noise_multiplier / plan.noise_multiplier
     steps = int(epochs) * plan.steps_per_epoch
     extra = model.privacy_ledger.events() + planned_events(model, steps)
+    accountant = model.privacy_gate.accountant_for(
+        extra + [mechanism_event(plan.fit_mechanism, steps)], accountant)
     sigma_eff = privacy.calibrate_noise_multiplier(
         target_epsilon, plan.sampling_rate, steps, plan.delta, accountant,
-        plan.sampling, plan.steps_per_epoch, extra)
+        plan.sampling, plan.steps_per_epoch, extra, plan.neighboring)
     model.dp_parameters = model.dp_parameters.replace(noise_multiplier=sigma_eff / ratio)
     return model.dp_parameters.noise_multiplier
 
 
-def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None, *, safe=True,
+def get_max_epochs(epsilon_max, model, accountant=None, epochs_max=None, *, safe=True,
                    atol=None):
     """Largest number of further epochs ``e`` with ε(e) ≤ epsilon_max < ε(e + 1)
-    (at most ``epochs_max`` if given, lip-dp's argument: pass it by keyword).
+    (at most ``epochs_max`` if given, lip-dp's argument: pass it by keyword), ε by
+    ``accountant`` (``None``: the model's).
 
     ε(e) includes the releases planned alongside training by plans registered on
     the model (`register_release_plan`; e.g. `AdaptiveQuantileClipping`, which
@@ -96,7 +106,7 @@ def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None, *, saf
     if the callback is not attached yet).
 
     lip-dp's ``safe=True`` is what kdp does; ``safe=False`` and ``atol`` are refused."""
-    if not isinstance(accountant, str):
+    if accountant is not None and not isinstance(accountant, str):
         raise TypeError(
             f"get_max_epochs' third positional argument is the accountant, got {accountant!r}: "
             f"pass lip-dp's epochs_max by keyword, get_max_epochs(epsilon_max, model, "
@@ -110,25 +120,36 @@ def get_max_epochs(epsilon_max, model, accountant="rdp", epochs_max=None, *, saf
                         "with ε(e) <= epsilon_max, by bisection on whole epochs); drop atol")
     plan = model.step_plan()
     mechanism = plan.fit_mechanism
+    spent = model.privacy_ledger.events()
+    accountant = model.privacy_gate.accountant_for(spent + fit_events(model, 1), accountant)
     steps = privacy.max_count(
-        epsilon_max, plan.delta, lambda n: [mechanism_event(mechanism, n)],
-        model.privacy_ledger.events(), accountant, unit=plan.steps_per_epoch,
-        planned=(lambda n: planned_events(model, n)) if model.privacy_gate.plans else None)
+        epsilon_max, plan.delta, lambda n: [mechanism_event(mechanism, n)], spent, accountant,
+        unit=plan.steps_per_epoch,
+        planned=(lambda n: planned_events(model, n)) if model.privacy_gate.plans else None,
+        neighboring=plan.neighboring)
     epochs = steps // plan.steps_per_epoch
     return epochs if epochs_max is None else min(epochs, int(epochs_max))
 
 
-def make_private(model, target_epsilon, epochs, delta=None):
+def make_private(model, target_epsilon, epochs, delta=None, accountant="pld"):
     """Privacy in one call: calibrate ``model`` so that ``epochs`` more epochs of
-    `fit` reach at most ``target_epsilon`` at ``delta``, and make that target
-    the model's budget.
+    `fit` reach at most ``target_epsilon`` at ``delta`` with ``accountant``, and make
+    that target the model's budget, enforced with the same accountant.
 
     σ is calibrated for the model's own mechanism (`calibrate_model_noise`):
     per-layer noise as its equivalent ``σ_eff``, per-example clipping, Poisson or
     shuffled batches, the releases planned alongside training (adaptive
     clipping: attach it first with ``callback.set_model(model)``) and what the
-    ledger already holds. ``epsilon_max`` is set to ``target_epsilon``, so no
-    later `fit` goes beyond it (RDP accountant, as the model reports ε).
+    ledger already holds. ``epsilon_max`` is set to ``target_epsilon`` and the
+    model's accountant (`PrivacyGate.accountant`, saved with the model) to
+    ``accountant``, so ε in the logs, the budget and the privacy statement agree,
+    and `fit` runs exactly ``epochs`` epochs before the budget stops it.
+
+    PLD (dp-accounting's, pessimistic: an upper bound on ε) gives the smallest
+    σ. It cannot account some releases (`kdp.privacy.pld_unsupported`: a private
+    hyper-parameter search, sampling without replacement); if the ledger or the
+    planned releases hold one, RDP is used instead, with a warning rather than an
+    error, so that the default works for every model (RDP bounds ε as well).
 
     Args:
         model: a DP model with `dp_parameters` and `dataset_metadata` (built, or
@@ -136,43 +157,53 @@ def make_private(model, target_epsilon, epochs, delta=None):
         target_epsilon: ε > 0 to reach after ``epochs`` epochs.
         epochs: the number of epochs the user will pass to `fit`.
         delta: the δ (default: ``dp_parameters.delta``), below ``1/N``.
+        accountant: ``"pld"`` (default) or ``"rdp"``.
 
     Returns:
         The calibrated σ (``model.dp_parameters.noise_multiplier``).
 
+    Warns:
+        UserWarning: PLD was asked for but cannot account the ledger (RDP used).
+
     Raises:
-        ValueError: a non-positive target or number of epochs, or a target that
-            no σ can reach (the ledger or the planned releases already cost it).
+        ValueError: a non-positive target or number of epochs, an unknown
+            accountant, or a target that no σ can reach (the ledger or the planned
+            releases already cost it).
     """
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
     if int(epochs) != epochs or epochs < 1:
         raise ValueError(f"epochs must be a whole number >= 1, got {epochs}")
+    privacy.check_accountant(accountant)
     if model.dp_parameters is None or model.dataset_metadata is None:
         raise ValueError(f"{model.name}: pass dp_parameters= and dataset_metadata= first")
-    before = model.dp_parameters
+    gate = model.privacy_gate
+    before = model.dp_parameters, gate.accountant
     try:
-        return _make_private(model, target_epsilon, epochs, delta)
+        return _make_private(model, target_epsilon, epochs, delta, accountant)
     except BaseException:
-        model.dp_parameters = before  # a refusal changes nothing
+        model.dp_parameters, gate.accountant = before  # a refusal changes nothing
         raise
 
 
-def _make_private(model, target_epsilon, epochs, delta):
+def _make_private(model, target_epsilon, epochs, delta, accountant):
     if delta is not None:
         model.dp_parameters = model.dp_parameters.replace(delta=delta)
     model.check_delta()
     plan = model.step_plan()
     steps = int(epochs) * plan.steps_per_epoch
     fixed = model.privacy_ledger.events() + planned_events(model, steps)
-    floor = privacy.epsilon_of_events(fixed, plan.delta) if fixed else 0.0
+    accountant = _usable_accountant(
+        model, accountant, fixed + [mechanism_event(plan.fit_mechanism, steps)], plan.neighboring)
+    floor = privacy.epsilon_of_events(fixed, plan.delta, accountant, plan.neighboring) if fixed else 0.0
     if floor >= target_epsilon:
         raise ValueError(
             f"target_epsilon={target_epsilon:g} is unreachable at δ={plan.delta:g}: "
             f"{_describe_fixed(model)} already cost ε={floor:.4g} whatever the training noise. "
             "Raise the target, or use fewer (or noisier) planned releases, or a fresh ledger "
             "if this is a new dataset.")
-    sigma = calibrate_model_noise(model, target_epsilon, epochs)
+    model.privacy_gate.accountant = accountant
+    sigma = calibrate_model_noise(model, target_epsilon, epochs, accountant)
     for nudge in _NUDGES:
         model.dp_parameters = model.dp_parameters.replace(
             noise_multiplier=sigma * (1 + nudge), epsilon_max=target_epsilon)
@@ -180,6 +211,22 @@ def _make_private(model, target_epsilon, epochs, delta):
             return model.dp_parameters.noise_multiplier
     raise RuntimeError(f"{model.name}: calibrated σ={sigma:.6g} does not fit the budget it was "
                        "calibrated for (please report this)")
+
+
+def _usable_accountant(model, accountant, events, neighboring):
+    """``accountant``, or RDP (with a warning) where it is PLD and ``events`` hold
+    one that PLD cannot account."""
+    unsupported = privacy.pld_unsupported(events, neighboring) if accountant == "pld" else []
+    if not unsupported:
+        return accountant
+    names = ", ".join(sorted({type(event).__name__ for event in unsupported}))
+    warnings.warn(
+        f"{model.name}: make_private calibrates σ and enforces the budget with the RDP "
+        f"accountant, not PLD: dp-accounting's PLD accountant cannot account the {names} in "
+        "the ledger or the planned releases (e.g. a private hyper-parameter search of "
+        "kdp.tuning.private_search). Pass accountant='rdp' to choose RDP explicitly.",
+        stacklevel=5)  # the caller of model.make_private
+    return "rdp"
 
 
 def _describe_fixed(model):

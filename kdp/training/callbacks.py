@@ -20,9 +20,11 @@ class DP_Accountant(keras.callbacks.Callback):
             model's privacy gate with the model's own budget: training stops
             **before** the block of steps (``steps_per_execution``) whose ε would
             exceed it; a model whose ledger already exceeds it is refused.
-        accountant: ``"rdp"`` or ``"pld"`` (for ε in the logs and the budget).
+        accountant: ``"rdp"`` or ``"pld"`` (for ε in the logs and the budget);
+            ``None`` (default): the model's, that of its persistent budget
+            (`kdp.training.PrivacyGate.accountant_for`: PLD after `make_private`).
         per_step: write this accountant's ε into the batch logs (every DP model's
-            `fit` already writes the RDP ε there).
+            `fit` already writes its own accountant's ε there).
         log_fn: ``"logging"`` (or lip-dp's ``"all"``) to also log ε at each epoch
             end with `logging`. lip-dp's ``"wandb"`` or a function is refused:
             ``epsilon`` and ``delta`` are in the epoch logs, for any logging callback.
@@ -31,7 +33,7 @@ class DP_Accountant(keras.callbacks.Callback):
     #: its batch-end hook writes its own ε; it reads nothing `fit` puts in the step logs.
     reads_batch_logs = False
 
-    def __init__(self, epsilon_max=None, accountant="rdp", per_step=False, log_fn=None):
+    def __init__(self, epsilon_max=None, accountant=None, per_step=False, log_fn=None):
         super().__init__()
         if epsilon_max is not None and not epsilon_max > 0:
             raise ValueError(f"epsilon_max must be > 0, got {epsilon_max}")
@@ -40,8 +42,8 @@ class DP_Accountant(keras.callbacks.Callback):
                 f"log_fn must be None, 'logging' or 'all', got {log_fn!r}: kdp writes epsilon "
                 "and delta into the epoch logs, so pass the logging callback of your choice "
                 "(e.g. wandb's, or keras.callbacks.CSVLogger) to fit next to DP_Accountant")
-        if accountant not in privacy.ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {privacy.ACCOUNTANTS}, got {accountant!r}")
+        if accountant is not None:
+            privacy.check_accountant(accountant)
         self.epsilon_max = epsilon_max
         self.accountant = accountant
         self.per_step = per_step

@@ -24,8 +24,10 @@ through `PrivacyGate.spend`, which
    outside a multi-process `fit`, which samples, noises and accounts them together.
 
 ε and budgets are computed by `kdp.privacy` under the gate's neighbouring relation
-(add/remove-one unless the owner says otherwise: `kdp.dpcl` uses replace-one),
-with the RDP accountant unless a budget names PLD.
+(add/remove-one unless the owner says otherwise: `kdp.dpcl` uses replace-one).
+The persistent budget is enforced, and ε reported by default, with the gate's
+`PrivacyGate.accountant` (RDP unless the owner chose PLD, as a DP model's
+`make_private` does); a temporary budget names its accountant, or takes the gate's.
 """
 
 import contextlib
@@ -59,14 +61,16 @@ class PrivacyGate:
             is composed and budgets are enforced (`kdp.privacy.ADD_OR_REMOVE_ONE`
             by default; `kdp.privacy.REPLACE_ONE` for releases sampled without
             replacement).
+        accountant: the `accountant` of ``epsilon_max`` and of ε reported by default.
     """
 
     def __init__(self, delta, ledger=None, epsilon_max=None, name="model",
-                 neighboring=privacy.ADD_OR_REMOVE_ONE):
+                 neighboring=privacy.ADD_OR_REMOVE_ONE, accountant="rdp"):
         self.delta = float(delta)
         self.neighboring = neighboring
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         self.epsilon_max = epsilon_max
+        self.accountant = accountant
         self.name = name
         self.journal = None
         self.processes = None  # the ProcessGroup of a multi-process fit, while it runs
@@ -103,12 +107,35 @@ class PrivacyGate:
             seeds.reseed(noise_seed)
         return self.run
 
-    def add_budget(self, key, epsilon_max, accountant="rdp"):
-        """A temporary budget (e.g. a callback's) enforced with the persistent one."""
+    @property
+    def accountant(self):
+        """The accountant (``"rdp"`` or ``"pld"``) of the persistent budget
+        ``epsilon_max``, with which ε is also reported by default (`accountant_for`).
+        Saved with a DP model's weights (`kdp.training.saving`)."""
+        return self._accountant
+
+    @accountant.setter
+    def accountant(self, accountant):
+        privacy.check_accountant(accountant)
+        self._accountant = accountant
+
+    def accountant_for(self, events, accountant=None):
+        """The accountant to compute ε of ``events`` with: ``accountant`` if given,
+        else the gate's `accountant`, or RDP where that is PLD and some event is one
+        PLD cannot account (`kdp.privacy.pld_unsupported`; RDP bounds ε too)."""
+        if accountant is not None:
+            return accountant
+        if self.accountant == "pld" and privacy.pld_unsupported(events, self.neighboring):
+            return "rdp"
+        return self.accountant
+
+    def add_budget(self, key, epsilon_max, accountant=None):
+        """A temporary budget (e.g. a callback's) enforced with the persistent one,
+        with ``accountant`` (``None``: the gate's, `accountant_for`)."""
         if not (epsilon_max > 0 and math.isfinite(epsilon_max)):
             raise ValueError(f"epsilon_max must be a finite number > 0, got {epsilon_max}")
-        if accountant not in privacy.ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {privacy.ACCOUNTANTS}, got {accountant!r}")
+        if accountant is not None:
+            privacy.check_accountant(accountant)
         self._budgets[key] = (float(epsilon_max), accountant)
         self._allowance.clear()
 
@@ -116,12 +143,14 @@ class PrivacyGate:
         self._budgets.pop(key, None)
         self._allowance.clear()
 
-    def budgets(self):
-        """``[(epsilon_max, accountant)]`` in force."""
+    def budgets(self, events=None):
+        """``[(epsilon_max, accountant)]`` in force, each accountant as `accountant_for`
+        gives it for ``events`` (default: the ledger's)."""
         found = list(self._budgets.values())
         if self.epsilon_max is not None:
-            found.append((float(self.epsilon_max), "rdp"))
-        return found
+            found.append((float(self.epsilon_max), None))
+        events = self.ledger.events() if events is None else events
+        return [(eps, self.accountant_for(events, accountant)) for eps, accountant in found]
 
     def planned_events(self, count):
         """The releases that registered plans make alongside ``count`` more steps
@@ -134,8 +163,7 @@ class PrivacyGate:
     def remaining(self, mechanism):
         """How many more releases of ``mechanism`` every budget allows (``inf``
         without a budget). Cached while the ledger does not change otherwise."""
-        budgets = self.budgets()
-        if not budgets:
+        if not self._budgets and self.epsilon_max is None:
             return math.inf
         key = json.dumps(mechanism, sort_keys=True)
         fingerprint = self._fingerprint()
@@ -145,17 +173,20 @@ class PrivacyGate:
         spent = self.ledger.events()
         # Plans accompany training steps: n more steps bring their releases along.
         planned = self.planned_events if self.plans and mechanism["kind"] == "training" else None
+        ahead = [mechanism_event(mechanism, 1)] + (planned(1) if planned else [])
         allowed = min(
             privacy.max_count(
                 eps_max, self.delta, lambda n: [mechanism_event(mechanism, n)], spent, accountant,
                 planned=planned, neighboring=self.neighboring)
-            for eps_max, accountant in budgets)
+            for eps_max, accountant in self.budgets(spent + ahead))
         self._allowance[key] = (fingerprint, allowed)
         return allowed
 
     def _fingerprint(self):
-        """Changes whenever the ledger or the plans may have changed (O(1))."""
-        return id(self.ledger), self.ledger.version, len(self.ledger.entries), tuple(self.plans)
+        """Changes whenever the ledger, the plans or the persistent budget may have
+        changed (O(1))."""
+        return (id(self.ledger), self.ledger.version, len(self.ledger.entries), tuple(self.plans),
+                self.epsilon_max, self.accountant)
 
     def check(self, mechanism, count=1):
         """Raise `BudgetExceededError` unless ``count`` more releases fit every budget."""
@@ -299,8 +330,10 @@ class PrivacyGate:
         """Merge ``ledger`` into this gate's (`PrivacyLedger.merge`: nothing is lost)."""
         self.ledger = self.ledger.merge(ledger)
 
-    def privacy_spent(self, accountant="rdp"):
-        """``(ε, δ)`` of every release in the ledger."""
-        eps = privacy.epsilon_of_events(self.ledger.events(), self.delta, accountant,
+    def privacy_spent(self, accountant=None):
+        """``(ε, δ)`` of every release in the ledger, with ``accountant`` (``None``:
+        the gate's, `accountant_for`)."""
+        events = self.ledger.events()
+        eps = privacy.epsilon_of_events(events, self.delta, self.accountant_for(events, accountant),
                                         self.neighboring)
         return eps, self.delta

@@ -25,12 +25,13 @@ NOT_COVERED = (
 )
 
 
-def privacy_statement(model, accountant="rdp"):
+def privacy_statement(model, accountant=None):
     """The privacy statement of ``model`` (see the module docstring).
 
     Args:
         model: a DP model with `dp_parameters` and `dataset_metadata`.
-        accountant: ``"rdp"`` or ``"pld"`` for the ε values.
+        accountant: ``"rdp"`` or ``"pld"`` for the ε values; ``None`` (default):
+            the model's, that of its budget (`PrivacyGate.accountant_for`).
 
     Returns:
         A multi-line string.
@@ -47,9 +48,11 @@ def privacy_statement(model, accountant="rdp"):
              "Releases in the privacy ledger: " + _releases(ledger), ""]
     if events:
         delta = params.delta
+        gate = model.privacy_gate
+        accountant = gate.accountant_for(events, accountant)
         lines.append(f"Privacy spent ({accountant.upper()} accountant):")
         for d in (delta,) + tuple(delta * f for f in OTHER_DELTAS):
-            eps = privacy.epsilon_of_events(events, d, accountant)
+            eps = privacy.epsilon_of_events(events, d, accountant, gate.neighboring)
             note = " (the model's δ)" if d == delta else ""
             lines.append(f"  ε = {eps:.4g} at δ = {d:.3g}{note}")
     else:
