@@ -5,7 +5,7 @@ The layers, lowest first; a module may import its own layer and those below:
 0. `kdp._quiet`, `kdp.compat`: leaves (a logging filter, lip-dp's refused names);
 1. `kdp.privacy`: pure privacy maths on dp-accounting events (no model, no Keras);
 2. the building blocks of a DP model: `kdp.distribute`, `kdp.lipschitz`,
-   `kdp.metadata`, `kdp.datasets`, `kdp.autodiff`, `kdp.layers`, `kdp.bounds`,
+   `kdp.metadata`, `kdp.datasets`, `kdp.tabular`, `kdp.autodiff`, `kdp.layers`, `kdp.bounds`,
    `kdp.losses`, `kdp.clipping`;
 3. `kdp.training`: the training core (ledger, gate, budget, `fit`'s session);
 4. what users train with: `kdp.model`, `kdp.pipeline` (its batches come from
@@ -33,7 +33,8 @@ import kdp
 LAYERS = (
     ("kdp._quiet", "kdp.compat"),
     ("kdp.privacy",),
-    ("kdp.distribute", "kdp.lipschitz", "kdp.metadata", "kdp.datasets", "kdp.autodiff",
+    ("kdp.distribute", "kdp.lipschitz", "kdp.metadata", "kdp.datasets", "kdp.tabular",
+     "kdp.autodiff",
      "kdp.layers", "kdp.bounds", "kdp.losses", "kdp.clipping"),
     ("kdp.training",),
     ("kdp.model", "kdp.pipeline", "kdp.callbacks", "kdp.adaptive_clipping", "kdp.audit",
