@@ -50,9 +50,25 @@ The rules and their sources:
     digits every hidden layer tried lost to it at every ε; above, one hidden
     layer of width ``w`` (as for clipping), without bias (a bias's radius adds
     to the hidden layer's norm bound and so to the noise).
+* **Tables** (``kind="table"``, the default for a 1-D ``input_shape``): the
+  columns are unrelated quantities, so nothing is centred across them and no
+  row is shrunk: ``DP_BoundedInput(max_norm)`` (``max_norm`` is required: e.g.
+  `kdp.tabular.TabularSchema.max_norm`), one `DP_QuickSpectralDense` layer and a
+  bias `DP_AddBias(max_norm)` (logistic regression with Lipschitz weights);
+  per-example clipping builds the plain logistic regression
+  ``Dense(outputs)``. Two classes use **one** output (τ-binary cross-entropy,
+  ``L = 1``, or Keras' binary cross-entropy) and the model tracks AUROC. A
+  hidden layer is added from N = 10 000 as for images. τ·X = 128 (images:
+  32), chosen leave-one-dataset-out among τ·X = 32, τ·X = 128, per-example
+  clipping and "128 for one binary output, else 32" on the seven tables of
+  ``benchmarks/recipes_suite.py``: picked by six of the seven folds.
 * ``method="auto"``: Clipless. On digits it is as accurate as per-example
   clipping at every ε measured and 3× faster per run, since it computes no
   per-example gradient (``benchmarks/recipes_digits.py``).
+
+`DP_Model.predict_proba` turns the outputs into probabilities with the loss's
+own link (``softmax(τ·z)`` for τ-cross-entropy, ``sigmoid(τ·z)`` for the
+binary one).
 
 The rules were set on scikit-learn's digits (N = 1437) and measured on its
 breast-cancer data (N = 455), where they do not work (see the README's
@@ -62,6 +78,7 @@ breast-cancer data (N = 455), where they do not work (see the README's
 import math
 
 METHODS = ("auto", "clipless", "clipping")
+KINDS = ("image", "table")
 
 #: the largest batch size a recipe picks
 MAX_BATCH_SIZE = 4096
@@ -69,6 +86,10 @@ MAX_BATCH_SIZE = 4096
 INPUT_BOUND_FRACTION = 8.0
 #: Clipless: τ · input_bound
 TAU_TIMES_BOUND = 32.0
+#: Clipless, tables: τ · input_bound
+TAU_TIMES_BOUND_TABLE = 128.0
+#: the scales of the scattering features (``features="scattering"``)
+SCATTERING_J = 2
 #: Clipless: a hidden layer from this many training records on
 CLIPLESS_HIDDEN_MIN_SAMPLES = 10_000
 
@@ -76,7 +97,7 @@ CLIPLESS_HIDDEN_MIN_SAMPLES = 10_000
 class Recipe:
     """A model and schedule chosen by `recipe` (see the module docstring for the rules).
 
-    Attributes: ``method``, ``input_shape``, ``nb_classes``, ``nb_samples``,
+    Attributes: ``method``, ``kind``, ``features``, ``input_shape``, ``nb_classes``, ``nb_samples``,
     ``target_epsilon``, ``delta``, ``batch_size``, ``epochs``, ``learning_rate``,
     ``width``, ``clipping_norm`` (clipping), ``tau``, ``loss_clip`` and
     ``input_bound`` (Clipless), and ``rules`` (name -> the rule that set it).
@@ -92,6 +113,11 @@ class Recipe:
 
         return DatasetMetadata(self.input_shape, self.nb_classes, self.nb_samples,
                                self.batch_size, max_norm=self.max_norm)
+
+    @property
+    def outputs(self):
+        """The model's output width: 1 for two classes of a table, else ``nb_classes``."""
+        return 1 if self.kind == "table" and self.nb_classes == 2 else self.nb_classes
 
     def build(self, seed=None):
         """A compiled DP model, calibrated with ``make_private(target_epsilon, epochs)``
@@ -113,17 +139,32 @@ class Recipe:
         model = DP_Sequential(layers, dp_parameters=DPParameters(**params),
                               dataset_metadata=self.metadata(), name=f"dp_{self.method}_recipe")
         model.compile(optimizer=keras.optimizers.Adam(self.learning_rate), loss=loss,
-                      metrics=["accuracy"])
+                      metrics=self._metrics())
         model.make_private(target_epsilon=self.target_epsilon, epochs=self.epochs)
         return model
+
+    def _metrics(self):
+        import keras
+
+        if self.outputs == 1:  # one logit: positive above 0
+            return [keras.metrics.BinaryAccuracy(threshold=0.0, name="accuracy"),
+                    keras.metrics.AUC(from_logits=True, name="auroc")]
+        return ["accuracy"]
 
     def _clipping_layers(self):
         import keras
 
-        return ([keras.Input(self.input_shape), keras.layers.Flatten(),
-                 keras.layers.Dense(self.width, activation="relu"),
-                 keras.layers.Dense(self.nb_classes)],
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        hidden = [keras.layers.Dense(self.width, activation="relu")] if self.width else []
+        loss = (keras.losses.BinaryCrossentropy(from_logits=True) if self.outputs == 1
+                else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return ([keras.Input(self.input_shape), *self._features(), keras.layers.Flatten(),
+                 *hidden, keras.layers.Dense(self.outputs)], loss)
+
+    def _features(self):
+        """The fixed feature layers (none, or a non-expansive scattering transform)."""
+        from kdp import layers as L
+
+        return [L.DP_Scattering2D(J=SCATTERING_J)] if self.features == "scattering" else []
 
     def _clipless_layers(self):
         import keras
@@ -132,10 +173,17 @@ class Recipe:
         from kdp import losses
 
         hidden = ([L.DP_QuickSpectralDense(self.width), L.DP_GroupSort(2)] if self.width else [])
-        return ([keras.Input(self.input_shape), L.DP_LayerCentering(axes="all"),
-                 L.DP_BoundedInput(upper_bound=self.input_bound), L.DP_Flatten(), *hidden,
-                 L.DP_QuickSpectralDense(self.nb_classes), L.DP_ClipGradient(self.loss_clip)],
-                losses.DP_TauCategoricalCrossentropy(self.tau))
+        if self.kind == "table":
+            head = [L.DP_BoundedInput(upper_bound=self.input_bound)]
+            bias = [L.DP_AddBias(norm_max=self.input_bound)]
+        else:
+            head = [L.DP_LayerCentering(axes="all"), L.DP_BoundedInput(upper_bound=self.input_bound)]
+            bias = []
+        loss = (losses.DP_TauBCE(self.tau) if self.outputs == 1
+                else losses.DP_TauCategoricalCrossentropy(self.tau))
+        return ([keras.Input(self.input_shape), *self._features(), *head, L.DP_Flatten(), *hidden,
+                 L.DP_QuickSpectralDense(self.outputs), *bias,
+                 L.DP_ClipGradient(self.loss_clip)], loss)
 
     def describe(self):
         """The chosen values, one line each, with the rule that set them."""
@@ -148,7 +196,7 @@ class Recipe:
 
 
 def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, method="auto",
-           max_norm=None):
+           max_norm=None, kind=None, features=None):
     """Choose a private model and schedule from public facts (rules in the module docstring).
 
     Args:
@@ -159,9 +207,16 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         delta: δ in ``(0, 1/N)``; default ``10^-(⌊log10 N⌋ + 2)``.
         method: ``"clipless"``, ``"clipping"`` or ``"auto"``.
         max_norm: a public bound on every input's L2 norm (the domain's, e.g.
-            ``√d`` for pixels in [0, 1]); the model refuses inputs above it.
-            Clipless projects each centred input onto radius ``max_norm / 8``
-            (``1/8`` without it).
+            ``√d`` for pixels or columns in [0, 1]). Clipless caps (projects)
+            every input onto a ball: of radius ``max_norm`` for tables, and,
+            for images, each centred input onto ``max_norm / 8`` (``1/8``
+            without it). Required for tables.
+        kind: ``"image"`` or ``"table"``; default ``"table"`` for a 1-D
+            ``input_shape``, else ``"image"``.
+        features: ``None`` or ``"scattering"`` (images of shape ``(H, W)`` or
+            ``(H, W, C)``, H and W multiples of 4): a fixed scattering transform
+            (`kdp.layers.DP_Scattering2D`, J = 2) first, non-expansive, so every
+            bound below it holds unchanged (Tramèr and Boneh 2021).
 
     Returns:
         A `Recipe`; ``recipe(...).build()`` gives the calibrated, compiled model
@@ -171,6 +226,9 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
     n, classes = int(nb_samples), int(nb_classes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    kind = kind or ("table" if len(input_shape) == 1 else "image")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
     if classes < 2:
@@ -183,40 +241,62 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         raise ValueError(f"delta must be in (0, 1/N) = (0, {1.0 / n:.3g}), got {delta}")
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    if features not in (None, "scattering"):
+        raise ValueError(f"features must be None or 'scattering', got {features!r}")
+    if features and (kind != "image" or len(input_shape) not in (2, 3)):
+        raise ValueError("features='scattering' takes images of shape (H, W) or (H, W, C)")
+    if kind == "table" and max_norm is None:
+        raise ValueError("a table's recipe needs max_norm, the public bound on a row's L2 norm "
+                         "(kdp.tabular.TabularSchema.max_norm; sqrt(d) for d columns in [0, 1])")
 
     batch_size = _power_of_two(8 * math.sqrt(n), 32, min(MAX_BATCH_SIZE, n // 4))
     if method == "auto":
         method = "clipless"
     epochs = int(round(min(60, 20 * max(1.0, 2.5 / target_epsilon))))
     d = math.prod(input_shape)
-    values = dict(method=method, input_shape=input_shape, nb_classes=classes, nb_samples=n,
-                  target_epsilon=float(target_epsilon), delta=float(delta),
+    wide = _power_of_two(4 * d, 64, 512)
+    values = dict(method=method, kind=kind, features=features, input_shape=input_shape, nb_classes=classes,
+                  nb_samples=n, target_epsilon=float(target_epsilon), delta=float(delta),
                   batch_size=batch_size, epochs=epochs, max_norm=max_norm)
     rules = {
         "method": "as asked; auto: Clipless",
+        "kind": "as given, or table for a 1-D input shape, else image",
+        "features": "as given: none, or a fixed scattering transform (J = 2, 8 angles)",
         "delta": "given, or 10^-(floor(log10 N) + 2) < 1/(10 N)",
         "batch_size": "the power of two nearest 8 sqrt(N), in [32, min(N/4, 4096)]",
         "epochs": "clipping: 20, and 20 * 2.5/epsilon (at most 60) below epsilon = 2.5",
     }
     if method == "clipping":
-        values.update(width=_power_of_two(4 * d, 64, 512), learning_rate=1e-2,
+        narrow = kind == "table" and n < CLIPLESS_HIDDEN_MIN_SAMPLES
+        values.update(width=0 if narrow else wide, learning_rate=1e-2,
                       clipping_norm=1.0 if target_epsilon < 5 else 0.1)
-        rules.update(width="the power of two nearest 4 d, in [64, 512]",
+        rules.update(width="tables below N = 10000: 0 (logistic regression); else the power "
+                           "of two nearest 4 d, in [64, 512]",
                      learning_rate="Adam 0.01",
                      clipping_norm="1, and 0.1 from epsilon = 5")
     else:
-        input_bound = (1.0 if max_norm is None else max_norm) / INPUT_BOUND_FRACTION
-        values.update(width=0 if n < CLIPLESS_HIDDEN_MIN_SAMPLES else _power_of_two(4 * d, 64, 512),
+        if kind == "table":
+            input_bound = max_norm
+            bound_rule = "tables: each row projected onto the ball of radius max_norm (no centring)"
+        else:
+            input_bound = (1.0 if max_norm is None else max_norm) / INPUT_BOUND_FRACTION
+            bound_rule = ("images: each example centred on its own mean, then projected onto "
+                          "the ball of radius max_norm/8 (1/8 without max_norm)")
+        binary = kind == "table" and classes == 2
+        loss_bound = 1.0 if binary else math.sqrt(2.0)
+        values.update(width=0 if n < CLIPLESS_HIDDEN_MIN_SAMPLES else wide,
                       learning_rate=1e-2, epochs=30, input_bound=input_bound,
-                      tau=TAU_TIMES_BOUND / input_bound, loss_clip=math.sqrt(2.0) / 50)
+                      tau=(TAU_TIMES_BOUND_TABLE if kind == "table" else TAU_TIMES_BOUND)
+                      / input_bound,
+                      loss_clip=loss_bound / 50)
         rules.update(width="0 (a linear Lipschitz model) below N = 10000, else the power of two "
                            "nearest 4 d in [64, 512], no bias",
                      learning_rate="Adam 0.01", epochs="Clipless: 30",
-                     input_bound="each example centred on its own mean, then projected onto "
-                                 "the ball of radius max_norm/8 (1/8 without max_norm)",
-                     tau="32 / input_bound (tau times the logits' scale = 32)",
-                     loss_clip="L/50 = sqrt(2)/50: every example's logit gradient clipped "
-                               "to the same small norm")
+                     input_bound=bound_rule,
+                     tau="32 / input_bound (tau times the logits' scale = 32); tables: "
+                         "128 / input_bound",
+                     loss_clip="L/50 (L = sqrt(2), or 1 for one binary output): every "
+                               "example's logit gradient clipped to the same small norm")
     return Recipe(rules=rules, **values)
 
 

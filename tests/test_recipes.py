@@ -9,19 +9,20 @@ from kdp.training import budget
 
 
 def test_rules_follow_the_public_facts():
-    digits = recipes.recipe((64,), 10, 1437, 3.0)
+    digits = recipes.recipe((8, 8), 10, 1437, 3.0)
     assert digits.batch_size == 256 and digits.delta == 1e-5 and digits.method == "clipless"
     assert digits.width == 0 and digits.epochs == 30 and digits.input_bound == 1.0 / 8
     assert digits.tau * digits.input_bound == 32.0 and digits.loss_clip == math.sqrt(2) / 50
-    assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0).input_bound == 1.0
+    assert recipes.recipe((8, 8), 10, 1437, 3.0, max_norm=8.0).input_bound == 1.0
+    assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image").input_bound == 1.0
     mnist = recipes.recipe((28, 28, 1), 10, 60000, 3.0)
     assert mnist.batch_size == 2048 and mnist.delta == 1e-6 and mnist.width == 512
-    clipping = dict(input_shape=(64,), nb_classes=10, nb_samples=1437, method="clipping")
+    clipping = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, method="clipping")
     assert recipes.recipe(target_epsilon=1.0, **clipping).epochs == 50
     assert recipes.recipe(target_epsilon=8.0, **clipping).epochs == 20
     assert recipes.recipe(target_epsilon=0.1, **clipping).epochs == 60
     assert recipes.recipe(target_epsilon=8.0, **clipping).clipping_norm == 0.1
-    small = recipes.recipe((30,), 2, 100, 3.0)
+    small = recipes.recipe((30,), 2, 100, 3.0, max_norm=30 ** 0.5)
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
         text = r.describe()
@@ -35,16 +36,18 @@ def test_rules_follow_the_public_facts():
     (dict(target_epsilon=math.inf), "target_epsilon"),
     (dict(nb_classes=1), "nb_classes"),
     (dict(max_norm=-1.0), "max_norm"),
+    (dict(kind="graph"), "kind"),
+    (dict(input_shape=(30,)), "max_norm"),  # a table needs its public norm bound
 ])
 def test_bad_facts_are_refused(kwargs, match):
-    facts = dict(input_shape=(64,), nb_classes=10, nb_samples=1437, target_epsilon=3.0)
+    facts = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, target_epsilon=3.0)
     with pytest.raises(ValueError, match=match):
         recipes.recipe(**{**facts, **kwargs})
 
 
 @pytest.mark.parametrize("method", ["clipless", "clipping"])
 def test_the_built_model_reaches_the_target_after_the_recipes_epochs(method):
-    r = recipes.recipe((64,), 10, 1437, 2.0, method=method, max_norm=8.0)
+    r = recipes.recipe((8, 8), 10, 1437, 2.0, method=method, max_norm=8.0)
     model = r.build(seed=0)
     eps, delta = budget.get_eps_delta(model, r.epochs)
     assert 0.995 * 2.0 <= eps <= 2.0 and delta == r.delta
@@ -69,7 +72,7 @@ def test_the_clipless_recipe_bounds_every_examples_gradient_and_the_bound_is_tig
 
     (x, y), _, md = load_digits()
     r = recipes.recipe(md.input_shape, md.nb_classes, nb_samples, 3.0, 1e-5, method="clipless",
-                       max_norm=md.max_norm)
+                       max_norm=md.max_norm, kind="image")
     model = r.build(seed=0)
     x, y = x[:64] * 1.0, y[:64]
     bounds = kdp.compute_gradient_bounds(model)
@@ -80,3 +83,60 @@ def test_the_clipless_recipe_bounds_every_examples_gradient_and_the_bound_is_tig
     assert ratios.max() <= 1 + 1e-4
     assert ratios.max() >= 0.9
     assert (2 * ratios).max() > 1 + 1e-4  # the check would catch a bound twice too small
+
+
+def _table(rows=256, d=6, seed=0):
+    """A binary table in [0, 1]^d whose label depends on two columns."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(size=(rows, d)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0.8).astype("int32")
+    return x, y
+
+
+def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradient():
+    """The table recipe: no centring, radius max_norm, a bounded bias, one output.
+    Measured per-example gradient norms (kernel and bias) never exceed their bounds
+    and reach 90 % of them; negative control: half the bounds are exceeded."""
+    import numpy as np
+
+    import kdp
+    from kdp import layers as L
+    from kdp.autodiff import per_example_gradients
+
+    x, y = _table()
+    r = recipes.recipe((6,), 2, len(x), 3.0, method="clipless", max_norm=6 ** 0.5)
+    assert r.kind == "table" and r.outputs == 1 and r.input_bound == 6 ** 0.5
+    assert r.loss_clip == 1 / 50 and r.tau * r.input_bound == recipes.TAU_TIMES_BOUND_TABLE
+    model = r.build(seed=0)
+    kinds = [type(layer) for layer in model.layers]
+    assert L.DP_LayerCentering not in kinds and L.DP_AddBias in kinds
+    assert model.output_shape[-1] == 1
+    bounds = kdp.compute_gradient_bounds(model)
+    grads = per_example_gradients(model, model.loss, x[:64], y[:64])
+    assert len(grads) == 2  # kernel and bias
+    ratios = np.concatenate([
+        np.sqrt((np.asarray(g, "float64").reshape(64, -1) ** 2).sum(1)) / bounds[path]
+        for path, g in grads.items()])
+    assert ratios.max() <= 1 + 1e-4
+    assert ratios.max() >= 0.9
+    assert (2 * ratios).max() > 1 + 1e-4
+
+
+@pytest.mark.parametrize("method", ["clipless", "clipping"])
+def test_a_binary_table_trains_with_one_output_auroc_and_probabilities(method):
+    """One output, AUROC in the logs, and predict_proba = the loss's link of the logits."""
+    import numpy as np
+
+    x, y = _table()
+    r = recipes.recipe((6,), 2, len(x), 8.0, method=method, max_norm=6 ** 0.5)
+    r.epochs = 2
+    model = r.build(seed=0)
+    history = model.fit(x, y, epochs=2, verbose=0)
+    assert {"accuracy", "auroc"} <= set(history.history)
+    logits = model.predict(x[:16], verbose=0)
+    proba = model.predict_proba(x[:16])
+    tau = getattr(model.loss, "tau", 1.0)
+    np.testing.assert_allclose(proba, 1 / (1 + np.exp(-tau * logits)), rtol=1e-5)
+    assert logits.shape == (16, 1) and np.all((proba >= 0) & (proba <= 1))

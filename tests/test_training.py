@@ -390,9 +390,11 @@ def test_error_nan_inputs():
 
 
 def test_error_weights_above_one():
+    """A sample weight above 1 is refused; a class weight (public) above 1 is rescaled
+    (tests/test_predict_proba.py), a negative one refused."""
     x, y = _data()
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        _small_model().fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="class_weight"):
+        _small_model().fit(x, y, class_weight={0: 1.0, 1: -2.0, 2: 1.0}, epochs=1, verbose=0)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         _small_model().fit(x, y, sample_weight=np.full(120, 1.5), epochs=1, verbose=0)
 

@@ -11,7 +11,14 @@ batch costs nothing. It checks
   input's examples have ``DatasetMetadata.input_shape``;
 * values: inputs (and float labels) are finite;
 * weights (``sample_weight`` times ``class_weight``): finite and in [0, 1]
-  (a weight above 1 scales an example's gradient beyond its bound);
+  (a weight above 1 scales an example's gradient beyond its bound).
+  ``class_weight`` is public (declared, not computed from the rows), so one
+  whose largest value ``w_max`` exceeds 1 is divided by ``w_max``
+  (`normalized_class_weight`): the same relative weights with every weight in
+  [0, 1], which is the training with weights ``w`` and the sensitivity scaled
+  by ``w_max``, so the ledger's release stays exact. ``sample_weight`` (per
+  record) is never rescaled: a record-dependent scale would change the other
+  records' terms;
 * labels, for kdp losses: integer class ids in ``[0, K)``, label vectors ``K``
   wide, and for single-label losses (``DPLoss.labels``) one class per example:
   ``"one-hot"`` (hinge, KR, HKR: after clipping to [0, 1], one entry 1 and the
@@ -124,6 +131,7 @@ def _weights(y, rows, sample_weight, class_weight):
         raise DataValidationError(f"sample_weight has {weights.size} values for {rows} examples")
     weights = weights.reshape(rows)
     if class_weight is not None:
+        class_weight = normalized_class_weight(class_weight)
         ids = y.argmax(-1) if y.ndim > 1 and y.shape[-1] > 1 else y.reshape(rows).astype(int)
         weights = weights * np.array([class_weight.get(int(c), 1.0) for c in ids], "float32")
     if not np.all(np.isfinite(weights)) or np.any(weights < 0) or np.any(weights > 1):
@@ -131,6 +139,20 @@ def _weights(y, rows, sample_weight, class_weight):
             "sample_weight and class_weight must be finite and lie in [0, 1]: a weight above 1 "
             "scales an example's gradient beyond its bound and would break the guarantee")
     return weights
+
+
+def normalized_class_weight(class_weight):
+    """``{class: w / w_max}`` when the largest weight ``w_max`` exceeds 1, else
+    ``class_weight`` unchanged (the module docstring says why this is exact).
+
+    Raises:
+        DataValidationError: a weight that is negative or not finite.
+    """
+    values = np.asarray(list(class_weight.values()), "float64")
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise DataValidationError("class_weight values must be finite and >= 0")
+    top = values.max() if values.size else 0.0
+    return class_weight if top <= 1 else {c: w / top for c, w in class_weight.items()}
 
 
 def output_width(model):

@@ -1,0 +1,322 @@
+"""The recipe suite: every kdp method on every bundled dataset, rules scored leave-one-dataset-out.
+
+Runs, at ε = 1, 3, 8 and seeds 0, 1, 2 (the seed fixes the initialisation; the
+noise comes from the OS entropy), on the datasets of `suite_data` (scikit-learn's
+digits, breast_cancer, wine, iris and four generated tables; nothing is
+downloaded):
+
+* ``clipless`` / ``clipping``: `kdp.recipes` with that method (images);
+* ``clipless_tau32`` / ``clipless_tau128`` (tables): the Clipless recipe with
+  τ·X = 32 (the image rule) or 128, the candidate rules for tables;
+* ``clipless_tau_by_outputs``: a rule made of runs above: τ·X = 128 for one
+  binary output, 32 otherwise;
+* ``clipless_scatter`` / ``clipping_scatter`` (images, with ``--scattering``):
+  the recipe with ``features="scattering"``;
+* ``clipping_untuned``: what a user would write without a recipe: kdp's
+  per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
+  C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
+  (jax-privacy's Keras API gets the same config in `suite_baselines.py`);
+
+and reads the baselines of `suite_baselines.py` (non-private logistic regression
+and MLP, diffprivlib's `LogisticRegression`, jax-privacy's Keras API: each in
+its own environment) from ``results/suite_baselines.json``.
+
+**Leave one dataset out.** ``auto`` is not run: for each table ``D`` the rule
+picks, among the candidate variants, the one with the best mean score (accuracy
++ AUROC, over ε and seeds) on the *other* tables, and ``auto`` on ``D`` is that
+variant's score on ``D``. No rule is chosen with the dataset it is scored on.
+The suite holds one image set (digits), so the image rule cannot be validated
+this way: the table says so.
+
+Every run's ε is checked: at most the target, and the model's ledger recomputed
+by dp-accounting's own accountant (the one the model reports with; PLD at its
+default grid, finer than kdp's pessimistic one) at most kdp's ε; the table
+gives the largest gap.
+
+Usage: ``KERAS_BACKEND=jax python benchmarks/recipes_suite.py [--datasets a,b]
+[--jobs 2] [--seeds 3]``; results are appended to ``results/recipes_suite.json``
+(runs already there are skipped), the table is printed and the plot saved to
+``results/recipes_suite.png``.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import suite_data  # noqa: E402
+
+EPSILONS = (1.0, 3.0, 8.0)
+#: the variants a rule may pick from, per kind of data
+CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "clipless_tau_by_outputs"),
+              "image": ("clipless", "clipping")}
+#: rules that combine runs already made: name -> (variant for one binary output, otherwise)
+COMPOSITE = {"clipless_tau_by_outputs": ("clipless_tau128", "clipless_tau32")}
+#: image variants with scattering features, run with ``--scattering``
+SCATTERING = ("clipless_scatter", "clipping_scatter")
+#: what runs on each kind: the candidates and the untuned per-example clipping config
+VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + ("clipping_untuned",)
+            for kind, names in CANDIDATES.items()}
+ALL_VARIANTS = tuple(dict.fromkeys(v for names in VARIANTS.values() for v in names))
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OUT = os.path.join(RESULTS, "recipes_suite.json")
+
+
+def _model(variant, data, eps, seed):
+    """``(model, epochs, batch_size)`` of ``variant`` for ``data`` at ``eps``."""
+    import keras
+
+    from kdp import recipes
+    from kdp.model import DP_Sequential, DPParameters
+
+    n = data.nb_train
+    if variant == "clipping_untuned":
+        keras.utils.set_random_seed(seed)
+        b = min(256, n // 4)
+        model = DP_Sequential(
+            [keras.Input(data.input_shape), keras.layers.Flatten(),
+             keras.layers.Dense(128, activation="relu"), keras.layers.Dense(data.nb_classes)],
+            dp_parameters=DPParameters(clipping_norm=1.0, delta=suite_data.delta_for(n)),
+            dataset_metadata=dict(input_shape=data.input_shape, nb_classes=data.nb_classes,
+                                  nb_samples_train=n, batch_size=b, max_norm=data.max_norm))
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.make_private(target_epsilon=eps, epochs=20)
+        return model, 20
+    method = "clipping" if variant.startswith("clipping") else "clipless"
+    r = recipes.recipe(data.input_shape, data.nb_classes, n, eps, method=method,
+                       max_norm=data.max_norm, kind=data.kind,
+                       features="scattering" if variant.endswith("_scatter") else None)
+    if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
+        r.tau = float(variant[len("clipless_tau"):]) / r.input_bound
+    return r.build(seed=seed), r.epochs
+
+
+def _epsilon_check(model):
+    """``(ε kdp reports, ε of dp-accounting's own accountant on the ledger's events,
+    accountant)``. PLD is recomputed at dp-accounting's default (finer) grid, so
+    kdp's ε (on its coarser pessimistic grid) must be at least that, and close."""
+    import dp_accounting
+
+    eps, delta = model.privacy_spent()
+    accountant = model.privacy_gate.accountant_for(model.privacy_ledger.events())
+    acc = (dp_accounting.pld.PLDAccountant() if accountant == "pld"
+           else dp_accounting.rdp.RdpAccountant())
+    for event in model.privacy_ledger.events():
+        acc.compose(event)
+    return float(eps), float(acc.get_epsilon(delta)), accountant
+
+
+def epsilon_problems(records):
+    """Runs whose ε exceeds the target or is below dp-accounting's recomputation
+    (kdp's PLD grid is coarser and pessimistic: its ε may only be larger)."""
+    return [r for r in records if r["epsilon_spent"] > r["epsilon"] * (1 + 1e-9)
+            or r["epsilon_recomputed"] > r["epsilon_spent"] + 1e-9]
+
+
+def run_one(task):
+    """Train one ``(dataset, variant, ε, seed)``; return its result record."""
+    name, variant, eps, seed = task
+    data = suite_data.load(name)
+    start = time.perf_counter()
+    model, epochs = _model(variant, data, eps, seed)
+    model.fit(data.x_train, data.y_train, epochs=epochs, verbose=0)
+    proba = model.predict_proba(data.x_test, batch_size=1024)
+    if proba.shape[1] == 1:  # one binary output: P(y = 1)
+        proba = proba[:, 0]
+    spent, recomputed, accountant = _epsilon_check(model)
+    import keras
+
+    return dict(dataset=name, method=variant, epsilon=eps, seed=seed,
+                **suite_data.scores(data.y_test, proba, data.nb_classes),
+                epsilon_spent=spent, epsilon_recomputed=recomputed, accountant=accountant,
+                seconds=time.perf_counter() - start, backend=keras.backend.backend())
+
+
+def _key(r):
+    return (r["dataset"], r["method"], r["epsilon"], r["seed"])
+
+
+def load_results(path=None):
+    path = path or OUT
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)
+
+
+def run(datasets, seeds, jobs, scattering=False):
+    done = {_key(r) for r in load_results()}
+    extra = {"image": SCATTERING if scattering else (), "table": ()}
+    tasks = [(d, v, e, s) for d in datasets
+             for v in VARIANTS[suite_data.load(d).kind] + extra[suite_data.load(d).kind]
+             for e in EPSILONS
+             for s in range(seeds) if (d, v, e, s) not in done]
+    print(f"{len(tasks)} runs to do ({len(done)} already in {OUT})", flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    with ProcessPoolExecutor(jobs) as pool:
+        for record in pool.map(run_one, tasks):
+            results = load_results() + [record]
+            with open(OUT, "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"{record['dataset']:>14} {record['method']:>17} ε={record['epsilon']:g} "
+                  f"seed {record['seed']}: acc {record['accuracy']:.3f} "
+                  f"auroc {record['auroc']:.3f} ε spent {record['epsilon_spent']:.4f} "
+                  f"({record['seconds']:.0f} s)", flush=True)
+
+
+# -- tables ----------------------------------------------------------------------------
+def _stats(records, dataset, method, eps, metric):
+    values = [r[metric] for r in records if r["dataset"] == dataset and r["method"] == method
+              and r["epsilon"] == eps and r.get(metric) is not None]
+    return (float(np.mean(values)), float(np.std(values)), len(values)) if values else None
+
+
+def _score(records, dataset, method):
+    """Mean over ε and seeds of accuracy + AUROC (the rules' selection score)."""
+    values = [r["accuracy"] + r["auroc"] for r in records
+              if r["dataset"] == dataset and r["method"] == method]
+    return float(np.mean(values)) if values else -math.inf
+
+
+def leave_one_out(records, datasets):
+    """``{dataset: variant}``: the candidate with the best mean score on the other
+    datasets of the same kind (``None`` where there is no other)."""
+    kinds = {d: suite_data.load(d).kind for d in datasets}
+    chosen = {}
+    for d in datasets:
+        others = [o for o in datasets if o != d and kinds[o] == kinds[d]]
+        if not others:
+            chosen[d] = None
+            continue
+        chosen[d] = max(CANDIDATES[kinds[d]],
+                        key=lambda v: np.mean([_score(records, o, v) for o in others]))
+    return chosen
+
+
+def with_composites(records, datasets):
+    """``records`` plus the rows of each `COMPOSITE` rule (copies of the runs it picks)."""
+    rows = []
+    for name, (binary, other) in COMPOSITE.items():
+        for d in datasets:
+            data = suite_data.load(d)
+            pick = binary if data.kind == "table" and data.nb_classes == 2 else other
+            rows += [{**r, "method": name} for r in records
+                     if r["dataset"] == d and r["method"] == pick]
+    return records + rows
+
+
+def with_auto(records, datasets):
+    """``records`` plus ``auto`` rows: each dataset's leave-one-out choice."""
+    records = with_composites(records, datasets)
+    chosen = leave_one_out(records, datasets)
+    auto = [{**r, "method": "auto", "picked": chosen[r["dataset"]]} for r in records
+            if chosen.get(r["dataset"]) and r["method"] == chosen[r["dataset"]]]
+    return records + auto, chosen
+
+
+def table(records, datasets, metric="accuracy"):
+    methods = ["auto", *ALL_VARIANTS, *COMPOSITE, *SCATTERING, "jax_privacy", "diffprivlib",
+               "logreg_nonprivate",
+               "mlp_nonprivate"]
+    present = [m for m in methods if any(r["method"] == m for r in records)]
+    lines = [f"| dataset | ε | {' | '.join(present)} |", "|---" * (len(present) + 2) + "|"]
+    for d in datasets:
+        for eps in EPSILONS:
+            cells = []
+            for m in present:
+                s = _stats(records, d, m, None if m.endswith("nonprivate") else eps, metric)
+                cells.append("–" if s is None else f"{s[0]:.3f} ± {s[1]:.3f}")
+            lines.append(f"| {d} | {eps:g} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _baselines():
+    path = os.path.join(RESULTS, "suite_baselines.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = json.load(f)
+    rename = {"logreg": "logreg_nonprivate", "mlp": "mlp_nonprivate",
+              "diffprivlib_logreg": "diffprivlib", "jaxprivacy_mlp": "jax_privacy"}
+    return [{**r, "method": rename.get(r["method"], r["method"])} for r in rows
+            if r.get("accuracy") is not None]
+
+
+def report(datasets):
+    records = runs = [r for r in load_results() if r["dataset"] in datasets]
+    bad = epsilon_problems(records)
+    records, chosen = with_auto(records, datasets)
+    records += [r for r in _baselines() if r["dataset"] in datasets]
+    print("\nLeave-one-dataset-out choice of auto (candidates per kind: "
+          f"{CANDIDATES}):")
+    for d in datasets:
+        print(f"  {d}: {chosen[d] or 'no other dataset of its kind: not validated'}")
+    for metric in ("accuracy", "auroc"):
+        print(f"\n{metric} (mean ± sd over seeds)\n")
+        print(table(records, datasets, metric))
+    gap = max(r["epsilon_spent"] / r["epsilon_recomputed"] - 1 for r in runs)
+    print(f"\nε checks: {len(runs)} runs; ε above the target or below dp-accounting's "
+          f"recomputation: {len(bad)}; largest ε / target: "
+          f"{max(r['epsilon_spent'] / r['epsilon'] for r in runs):.6f}; kdp's ε above "
+          f"dp-accounting's (finer grid) by at most {100 * gap:.2f} %")
+    _plot(records, datasets)
+
+
+def _plot(records, datasets):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = -(-len(datasets) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    methods = ["auto", "clipless", "clipless_tau32", "clipping", "clipping_untuned", "jax_privacy",
+               "diffprivlib"]
+    for ax, d in zip(axes.flat, datasets):
+        for m in methods:
+            pts = [(e, _stats(records, d, m, e, "accuracy")) for e in EPSILONS]
+            pts = [(e, s) for e, s in pts if s]
+            if pts:
+                ax.errorbar([e for e, _ in pts], [s[0] for _, s in pts],
+                            yerr=[s[1] for _, s in pts], marker="o", capsize=3, label=m)
+        ref = _stats(records, d, "logreg_nonprivate", None, "accuracy")
+        if ref:
+            ax.axhline(ref[0], color="k", ls="--", lw=0.8, label="non-private LR")
+        ax.set_xscale("log")
+        ax.set_title(d)
+        ax.set_xlabel("ε")
+    for ax in list(axes.flat)[len(datasets):]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel("test accuracy")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(RESULTS, "recipes_suite.png")
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", default=",".join(suite_data.DATASETS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--scattering", action="store_true",
+                        help="also the image recipes with features='scattering'")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    datasets = args.datasets.split(",")
+    if not args.report_only:
+        run(datasets, args.seeds, args.jobs, args.scattering)
+    report(datasets)
+
+
+if __name__ == "__main__":
+    main()

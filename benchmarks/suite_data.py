@@ -1,0 +1,246 @@
+"""The recipe suite's datasets and its one scoring function (issue 32).
+
+Imports numpy and scikit-learn only (no kdp, no keras), so that every runner
+(kdp's suite, and the external baselines in their own venvs) can import it from
+the ``benchmarks`` folder and sees the very same rows, split and scores.
+
+Every dataset is available without a download: scikit-learn's bundled copies
+(digits, breast_cancer, wine, iris) and ``make_classification`` draws with a
+fixed ``random_state``. Features are mapped to ``[0, 1]`` per column from
+*public* ranges only (no statistic of the training rows is used, which would
+leak privacy); values outside the declared range are clipped. After that
+mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
+
+* digits: pixels / 16 (the 8x8 images' intensities are 0..16 by construction);
+  ``input_shape = (8, 8)`` (the model flattens), ``max_norm = 8``.
+* breast_cancer, wine, iris: the per-feature Min / Max of the "Summary
+  Statistics" table in each dataset's documentation (scikit-learn's ``DESCR``,
+  copied from the UCI documentation), copied below as constants. The published
+  numbers are rounded, so a few values fall just outside and are clipped.
+* gen_*: ``make_classification(n_features=20, n_informative=5, n_redundant=2)``
+  (``gen_2k_10c``: ``n_informative=10``), declared range ``[-5, 5]`` per feature
+  (we generated the data: the range is a public design choice), clipped.
+  The N in each name (500, 5k, 50k, 2k) counts all rows *before* the split.
+
+Split: stratified 75 / 25 train / test with ``random_state=0``, the same for
+every seed (seeds vary the training only).
+
+    from suite_data import load, DATASETS, delta_for, scores
+    data = load("digits")          # SuiteData; data.flat_train() -> (n, 64)
+"""
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from sklearn import datasets as skdatasets
+from sklearn.metrics import accuracy_score, roc_auc_score
+from sklearn.model_selection import train_test_split
+
+TEST_SIZE = 0.25
+SPLIT_SEED = 0
+
+# --- public ranges ---------------------------------------------------------
+# Source: scikit-learn's DESCR of load_breast_cancer ("Summary Statistics", Min /
+# Max), i.e. the UCI "Breast Cancer Wisconsin (Diagnostic)" documentation
+# (wdbc.names). Order = the 30 columns of load_breast_cancer().data: the ten
+# measurements' mean, then their standard error, then their "worst" value.
+_BC_MEAN = [(6.981, 28.11), (9.71, 39.28), (43.79, 188.5), (143.5, 2501.0), (0.053, 0.163),
+            (0.019, 0.345), (0.0, 0.427), (0.0, 0.201), (0.106, 0.304), (0.05, 0.097)]
+_BC_SE = [(0.112, 2.873), (0.36, 4.885), (0.757, 21.98), (6.802, 542.2), (0.002, 0.031),
+          (0.002, 0.135), (0.0, 0.396), (0.0, 0.053), (0.008, 0.079), (0.001, 0.03)]
+_BC_WORST = [(7.93, 36.04), (12.02, 49.54), (50.41, 251.2), (185.2, 4254.0), (0.071, 0.223),
+             (0.027, 1.058), (0.0, 1.252), (0.0, 0.291), (0.156, 0.664), (0.055, 0.208)]
+BREAST_CANCER_RANGES = tuple(_BC_MEAN + _BC_SE + _BC_WORST)
+
+# Source: scikit-learn's DESCR of load_wine ("Summary Statistics", Min / Max), from
+# the UCI "Wine recognition" documentation (wine.names). Column order of
+# load_wine().data: alcohol, malic acid, ash, alcalinity of ash, magnesium, total
+# phenols, flavanoids, nonflavanoid phenols, proanthocyanins, colour intensity,
+# hue, OD280/OD315 of diluted wines, proline.
+WINE_RANGES = ((11.0, 14.8), (0.74, 5.80), (1.36, 3.23), (10.6, 30.0), (70.0, 162.0),
+               (0.98, 3.88), (0.34, 5.08), (0.13, 0.66), (0.41, 3.58), (1.3, 13.0),
+               (0.48, 1.71), (1.27, 4.00), (278.0, 1680.0))
+
+# Source: scikit-learn's DESCR of load_iris ("Summary Statistics", Min / Max), from
+# Fisher (1936) / the UCI "Iris" documentation (iris.names). Columns: sepal length,
+# sepal width, petal length, petal width (cm).
+IRIS_RANGES = ((4.3, 7.9), (2.0, 4.4), (1.0, 6.9), (0.1, 2.5))
+
+#: declared range of every generated feature (a design choice, hence public)
+GENERATED_RANGE = (-5.0, 5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteData:
+    """One dataset of the suite, already mapped to ``[0, 1]`` and split.
+
+    ``x_*`` are float32 of shape ``(n,) + input_shape``, ``y_*`` int64 labels in
+    ``0 .. nb_classes - 1``; ``low`` / ``high`` are the declared per-column
+    ranges (in the flattened column order) that were mapped to ``[0, 1]``;
+    ``max_norm`` is the exact L2 bound of a row after the mapping (``sqrt(d)``);
+    ``nb_rows`` is the total before the split."""
+
+    name: str
+    kind: str  # "image" or "table"
+    nb_classes: int
+    input_shape: tuple
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    max_norm: float
+    low: np.ndarray
+    high: np.ndarray
+    nb_rows: int
+    source: str
+
+    @property
+    def nb_train(self):
+        return len(self.y_train)
+
+    @property
+    def nb_features(self):
+        return int(np.prod(self.input_shape))
+
+    def flat_train(self):
+        return self.x_train.reshape(len(self.x_train), -1)
+
+    def flat_test(self):
+        return self.x_test.reshape(len(self.x_test), -1)
+
+
+def map_to_unit(x, low, high):
+    """``(x - low) / (high - low)`` per column, clipped to ``[0, 1]``, float32."""
+    low = np.asarray(low, np.float64)
+    high = np.asarray(high, np.float64)
+    return np.clip((np.asarray(x, np.float64) - low) / (high - low), 0.0, 1.0).astype(np.float32)
+
+
+def _make(name, kind, x, y, low, high, input_shape, source):
+    x = map_to_unit(x.reshape(len(x), -1), low, high)
+    y = np.asarray(y, np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=TEST_SIZE, stratify=y, random_state=SPLIT_SEED)
+    shape = tuple(input_shape)
+    return SuiteData(
+        name=name, kind=kind, nb_classes=int(y.max()) + 1, input_shape=shape,
+        x_train=x_train.reshape((-1,) + shape), y_train=y_train,
+        x_test=x_test.reshape((-1,) + shape), y_test=y_test,
+        max_norm=float(math.sqrt(x.shape[1])),
+        low=np.broadcast_to(np.asarray(low, np.float64), x.shape[1:]).copy(),
+        high=np.broadcast_to(np.asarray(high, np.float64), x.shape[1:]).copy(),
+        nb_rows=len(y), source=source)
+
+
+def _digits():
+    d = skdatasets.load_digits()
+    return _make("digits", "image", d.data, d.target, 0.0, 16.0, (8, 8),
+                 "sklearn load_digits (1,797 8x8 images), pixels / 16")
+
+
+def _table(name, loader, ranges, source):
+    d = loader()
+    ranges = np.asarray(ranges, np.float64)
+    assert ranges.shape == (d.data.shape[1], 2), (name, ranges.shape, d.data.shape)
+    return _make(name, "table", d.data, d.target, ranges[:, 0], ranges[:, 1],
+                 (d.data.shape[1],), source)
+
+
+def _generated(name, n, nb_classes, weights, n_informative=5, random_state=0):
+    x, y = skdatasets.make_classification(
+        n_samples=n, n_features=20, n_informative=n_informative, n_redundant=2,
+        n_classes=nb_classes, weights=weights, random_state=random_state)
+    low, high = GENERATED_RANGE
+    return _make(name, "table", x, y, low, high, (20,),
+                 f"make_classification(n_samples={n}, n_features=20, n_informative="
+                 f"{n_informative}, n_redundant=2, n_classes={nb_classes}, weights={weights}, "
+                 f"random_state={random_state}), range [-5, 5] clipped")
+
+
+#: name -> loader (no argument) returning a `SuiteData`; ≤ 8 datasets
+DATASETS = {
+    "digits": _digits,
+    "breast_cancer": lambda: _table(
+        "breast_cancer", skdatasets.load_breast_cancer, BREAST_CANCER_RANGES,
+        "sklearn load_breast_cancer (569 x 30), DESCR min/max"),
+    "wine": lambda: _table("wine", skdatasets.load_wine, WINE_RANGES,
+                           "sklearn load_wine (178 x 13), DESCR min/max"),
+    "iris": lambda: _table("iris", skdatasets.load_iris, IRIS_RANGES,
+                           "sklearn load_iris (150 x 4), DESCR min/max"),
+    "gen_500_bal": lambda: _generated("gen_500_bal", 500, 2, None, random_state=500),
+    "gen_5k_imb": lambda: _generated("gen_5k_imb", 5_000, 2, [0.9, 0.1], random_state=5_000),
+    "gen_50k_3c": lambda: _generated("gen_50k_3c", 50_000, 3, [0.6, 0.3, 0.1], random_state=50_000),
+    "gen_2k_10c": lambda: _generated("gen_2k_10c", 2_000, 10, None, n_informative=10,
+                                     random_state=2_000),
+}
+
+#: the datasets with at most a few thousand rows (the cheap ones)
+SMALL = ("digits", "breast_cancer", "wine", "iris")
+
+
+@functools.lru_cache(maxsize=None)
+def load(name):
+    """The `SuiteData` called ``name`` (cached: treat its arrays as read-only)."""
+    try:
+        return DATASETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown dataset {name!r}; one of {sorted(DATASETS)}") from None
+
+
+def delta_for(n):
+    """kdp's recipe rule: δ = 10^-(⌊log10 n⌋ + 2), i.e. below 1 / (10 n)."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+    return 10.0 ** -(len(str(n)) - 1 + 2)
+
+
+def _softmax(z):
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def scores(y_true, proba_or_scores, nb_classes):
+    """``{"accuracy", "auroc"}`` of predictions ``(n, nb_classes)``: class
+    probabilities or unnormalised scores (logits); a 1-D array is accepted for
+    binary tasks as P(y = 1). Accuracy: argmax (1-D: P > 0.5). AUROC: binary,
+    of the positive-class score (``s1 - s0``, monotone in P(y=1) for both
+    probabilities and logits); multiclass, macro one-vs-rest on the
+    probabilities (rows that are not probabilities get a softmax). Non-finite
+    predictions (a diverged model) are zeroed, which counts as a guess."""
+    y_true = np.asarray(y_true).astype(np.int64)
+    s = np.nan_to_num(np.asarray(proba_or_scores, np.float64), nan=0.0, posinf=1e30, neginf=-1e30)
+    if s.ndim == 1:
+        if nb_classes != 2:
+            raise ValueError("1-D scores are only accepted for binary tasks")
+        s = np.stack([1.0 - s, s], axis=1)
+    if s.shape != (len(y_true), nb_classes):
+        raise ValueError(f"expected shape {(len(y_true), nb_classes)}, got {s.shape}")
+    accuracy = float(accuracy_score(y_true, s.argmax(axis=1)))
+    if nb_classes == 2:
+        auroc = float(roc_auc_score(y_true, s[:, 1] - s[:, 0]))
+    else:
+        is_proba = np.all(s >= 0) and np.allclose(s.sum(axis=1), 1.0, atol=1e-4)
+        p = s if is_proba else _softmax(s)
+        p = p / p.sum(axis=1, keepdims=True)  # roc_auc_score wants exact sums
+        auroc = float(roc_auc_score(y_true, p, multi_class="ovr", average="macro",
+                                    labels=list(range(nb_classes))))
+    return {"accuracy": accuracy, "auroc": auroc}
+
+
+def describe():
+    """One line per dataset (for a README or a log)."""
+    lines = []
+    for name in DATASETS:
+        d = load(name)
+        lines.append(f"{name:>13} {d.kind:>5} rows={d.nb_rows:>6} train={d.nb_train:>6} "
+                     f"test={len(d.y_test):>5} classes={d.nb_classes:>2} shape={d.input_shape} "
+                     f"max_norm={d.max_norm:.3f} delta={delta_for(d.nb_train):g}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(describe())
