@@ -20,7 +20,7 @@ _SOURCES = {
     "DP_Accountant": "kdp.callbacks",
     "DP_Model": "kdp.model", "DP_Sequential": "kdp.model", "DPParameters": "kdp.model",
     "DatasetMetadata": "kdp.pipeline", "bound_clip_value": "kdp.pipeline",
-    "bound_normalize": "kdp.pipeline",
+    "bound_normalize": "kdp.pipeline", "RecordSource": "kdp.training.sources",
 }
 __all__ = list(_SOURCES)
 _registered = False

@@ -94,7 +94,7 @@ class ProcessGroup:
         return [json.loads(row[:n].astype("uint8").tobytes().decode()) for row, n in zip(gathered, lengths)]
 
     # -- the handshake -------------------------------------------------------------------
-    def join(self, rows, error=None, shard=None):
+    def join(self, rows, error=None, shard=None, source=None):
         """Agree before anything is spent (see the module's docstring).
 
         Args:
@@ -128,6 +128,9 @@ class ProcessGroup:
             "run": new_run_id(),
             "key": secrets.token_hex(16) if self.index == 0 else None,
             "digests": shard is not None,
+            "source": None if source is None else {
+                "name": str(source.name), "total": int(source.total),
+                "start": int(source.start), "stop": int(source.stop)},
         }
         records = self.exchange(record)
         errors = [(p, r["error"]) for p, r in enumerate(records) if r["error"]]
@@ -147,6 +150,7 @@ class ProcessGroup:
                 "compile the same model with the same DPParameters, DatasetMetadata and budgets. "
                 "Nothing was spent.")
         self.rows = [r["rows"] for r in records]
+        self._check_ranges([r["source"] for r in records])
         self._check_disjoint(records, shard)
         total, n = sum(self.rows), model.dataset_metadata.nb_samples_train
         if total != n:
@@ -160,6 +164,37 @@ class ProcessGroup:
             ledger = ledger.merge(PrivacyLedger.from_config(r["ledger"]))
         gate.ledger = ledger
         self.run = records[0]["run"]
+
+    def _check_ranges(self, sources):
+        """Raise on every process unless the processes' `RecordSource` ranges
+        partition one shared source (or no process passes a source)."""
+        if all(s is None for s in sources):
+            return
+        name = self.model.name
+        if any(s is None for s in sources):
+            p, q = sources.index(None), next(i for i, s in enumerate(sources) if s is not None)
+            raise ValueError(f"{name}: process {p} passes arrays and process {q} a RecordSource: "
+                             "every process must pass its range of the same source. Nothing was spent.")
+        for p, s in enumerate(sources[1:], 1):
+            for key in ("name", "total"):
+                if s[key] != sources[0][key]:
+                    raise ValueError(
+                        f"{name}: process {p} reads a source with {key}={s[key]!r}, process 0 "
+                        f"one with {key}={sources[0][key]!r}: every process must read its range "
+                        "of the same source. Nothing was spent.")
+        end, order = 0, sorted(range(len(sources)), key=lambda p: (sources[p]["start"], p))
+        for before, p in zip([None] + order, order):
+            start, stop = sources[p]["start"], sources[p]["stop"]
+            if start != end:
+                what = (f"records [{end}, {start}) are in no process's range" if start > end else
+                        f"processes {before} and {p} both read records [{start}, {min(end, stop)})")
+                raise ValueError(f"{name}: the processes' ranges do not partition the source: "
+                                 f"{what}. Nothing was spent.")
+            end = max(end, stop)
+        if end != sources[0]["total"]:
+            raise ValueError(f"{name}: the processes' ranges do not partition the source: records "
+                             f"[{end}, {sources[0]['total']}) are in no process's range. "
+                             "Nothing was spent.")
 
     def _check_disjoint(self, records, shard):
         """Raise on every process if two processes hold the same record (a collective)."""

@@ -69,7 +69,8 @@ def poisson_batch_shapes(batch_size, nb_samples, count=3, multiple_of=1):
 
 
 class PoissonBatches(keras.utils.PyDataset):
-    """Poisson-sampled batches from in-memory arrays, padded to static shapes.
+    """Poisson-sampled batches from in-memory arrays or a record source, padded
+    to static shapes.
 
     Each step includes every record independently with probability ``q = b/N``
     (Poisson sampling, Abadi et al. 2016). The batch is padded with zeros up to the
@@ -78,10 +79,15 @@ class PoissonBatches(keras.utils.PyDataset):
     weight vector marks the real rows (their sample weight) and the padding (0).
     ``len`` is ``steps_per_epoch`` (``⌈N/b⌉``).
 
+    Only the drawn records are read (`as_records`): from a
+    `kdp.training.sources.ValidatedRecords` each batch is read and validated in
+    `__getitem__`, so with ``workers > 1`` the reading runs ahead of the step.
+
     Args:
-        x, y: arrays with ``N`` rows.
+        x, y: arrays with ``N`` rows; or ``x`` records read by index (an object
+            with ``read(indices, rows)``, `as_records`) and ``y`` ``None``.
         batch_size: the expected batch size ``b``.
-        sample_weight: optional per-record weights in ``[0, 1]``.
+        sample_weight: optional per-record weights in ``[0, 1]`` (arrays only).
         steps_per_epoch: defaults to ``⌈N/b⌉``.
         seed: ``None`` (default) draws from the OS entropy; an int makes the
             sampling reproducible (for tests only).
@@ -91,7 +97,8 @@ class PoissonBatches(keras.utils.PyDataset):
         shapes: the number of padded sizes (`poisson_batch_shapes`); the default
             1 pads every batch to the capacity (one compiled shape).
         workers: Keras' `PyDataset` threads that prepare batches ahead of the
-            step (1: prepared when needed). Every batch is still one fresh,
+            step (1: prepared when needed), at most ``max(2, workers)``
+            batches ahead. Every batch is still one fresh,
             independent draw: the generator is used under a lock, and a draw
             that is prepared but never trained on releases nothing. With more
             than one worker the order of the draws depends on the threads, so
@@ -113,22 +120,20 @@ class PoissonBatches(keras.utils.PyDataset):
                  agree=None):
         if agree is not None and workers != 1:
             raise ValueError("agree= needs workers=1: every process must agree on its draws in order")
-        super().__init__(workers=workers, use_multiprocessing=False)
-        self.x, self.y = x, y
-        self.nb_samples = len(x)
+        super().__init__(workers=workers, use_multiprocessing=False, max_queue_size=max(2, workers))
+        self.records = as_records(x, y, sample_weight)
+        self.nb_samples = len(self.records)
         population = population or self.nb_samples
         reference = reference_rows or self.nb_samples
         self.sampling_rate = batch_size / population
         expected = batch_size if reference == population else self.sampling_rate * reference
         self.shapes = poisson_batch_shapes(expected, reference, shapes, multiple_of)
-        self.sample_weight = (
-            np.ones(self.nb_samples, dtype="float32") if sample_weight is None
-            else np.asarray(sample_weight, dtype="float32")
-        )
         self.steps = steps_per_epoch or math.ceil(population / batch_size)
         self.rng = numpy_generator(seed is not None, seed)
         self._rng_lock = threading.Lock()
         self._agree = agree
+        self._primed = None
+        self._prime_lock = threading.Lock()
 
     @property
     def capacity(self):
@@ -151,10 +156,25 @@ class PoissonBatches(keras.utils.PyDataset):
                 return size
         return self.capacity * math.ceil(records / self.capacity)
 
-    def __getitem__(self, index):
+    def draw(self):
+        """One Poisson draw, read (and, from a source, validated) and padded."""
         idx = self.sample_indices()
         size = self.padded_size(len(idx) if self._agree is None else self._agree(len(idx)))
-        return (_pad(self.x, idx, size), _pad(self.y, idx, size), _pad(self.sample_weight, idx, size))
+        return self.records.read(idx, size)
+
+    def prime(self):
+        """Draw and read the first batch now (it is the next one served): a
+        source's first records are then read and validated before `fit` spends
+        anything. Returns it."""
+        with self._prime_lock:
+            if self._primed is None:
+                self._primed = self.draw()
+            return self._primed
+
+    def __getitem__(self, index):
+        with self._prime_lock:
+            primed, self._primed = self._primed, None
+        return self.draw() if primed is None else primed
 
     def as_tf_dataset(self):
         """These batches as an endless `tf.data.Dataset` whose batch axis is
@@ -163,7 +183,7 @@ class PoissonBatches(keras.utils.PyDataset):
         import tensorflow as tf
 
         signature = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
-                          for a in (self.x, self.y, self.sample_weight))
+                          for a in self.prime())
 
         def batches():
             while True:
@@ -188,13 +208,9 @@ class ShuffledBatches(keras.utils.PyDataset):
 
     def __init__(self, x, y, batch_size, sample_weight=None, steps_per_epoch=None, seed=None):
         super().__init__()
-        self.x, self.y = x, y
-        self.nb_samples = len(x)
+        self.records = as_records(x, y, sample_weight)
+        self.nb_samples = len(self.records)
         self.batch_size = int(batch_size)
-        self.sample_weight = (
-            np.ones(self.nb_samples, dtype="float32") if sample_weight is None
-            else np.asarray(sample_weight, dtype="float32")
-        )
         self.steps_per_pass = max(1, self.nb_samples // self.batch_size)
         self.steps = steps_per_epoch or self.steps_per_pass
         if self.steps % self.steps_per_pass:
@@ -227,16 +243,41 @@ class ShuffledBatches(keras.utils.PyDataset):
     def __getitem__(self, index):
         position = index % self.steps_per_pass
         idx = self.permutation(index)[position * self.batch_size:(position + 1) * self.batch_size]
-        return self.x[idx], self.y[idx], self.sample_weight[idx]
+        return self.records.read(np.sort(idx), len(idx))
 
 
-def _process_batches(x, y, weights, batch_size, params, steps_per_epoch, replicas, processes, seed):
+class ArrayRecords:
+    """Validated in-memory arrays read by index (`as_records`)."""
+
+    def __init__(self, x, y, sample_weight=None):
+        self.x, self.y = x, y
+        self.weights = (np.ones(len(x), dtype="float32") if sample_weight is None
+                        else np.asarray(sample_weight, dtype="float32"))
+
+    def __len__(self):
+        return len(self.x)
+
+    def read(self, indices, rows):
+        """``(x, y, weights)`` of the records at ``indices``, zero rows up to ``rows``."""
+        return tuple(_pad(a, indices, rows) for a in (self.x, self.y, self.weights))
+
+
+def as_records(x, y=None, sample_weight=None):
+    """What the samplers read from: ``x`` itself if it reads records by index
+    (``read(indices, rows) -> (x, y, weights)`` padded to ``rows`` rows, e.g.
+    `kdp.training.sources.ValidatedRecords`), else `ArrayRecords` of the arrays."""
+    if hasattr(x, "read") and y is None:
+        return x
+    return ArrayRecords(x, y, sample_weight)
+
+
+def _process_batches(records, batch_size, params, steps_per_epoch, replicas, processes, seed):
     """`fit_batches` for one process of several (Poisson sampling: `fit` refused the rest)."""
     if seed is not None:  # the same seed on every process would draw correlated shards
         seed = seed + 7919 * processes.index
     jax = keras.backend.backend() == "jax"
     batches = PoissonBatches(
-        x, y, batch_size, weights, steps_per_epoch, seed=seed, multiple_of=replicas,
+        records, None, batch_size, None, steps_per_epoch, seed=seed, multiple_of=replicas,
         shapes=params.batch_shapes, population=processes.model.dataset_metadata.nb_samples_train,
         reference_rows=max(processes.rows), agree=processes.agree_rows if jax else None)
     if jax:
@@ -253,49 +294,59 @@ def _pad(array, idx, size):
     return out
 
 
-def fit_batches(x, y, weights, batch_size, params, steps_per_epoch=None, replicas=1,
-                processes=None):
-    """``(data, steps_per_epoch)`` for Keras' `fit` on validated arrays.
+def fit_batches(records, batch_size, params, steps_per_epoch=None, replicas=1, processes=None,
+                prefetch=False):
+    """``(data, steps_per_epoch)`` for Keras' `fit` on validated records.
 
     Poisson sampling (``params.sampling == "poisson"``): `PoissonBatches` padded to
     ``params.batch_shapes`` sizes. TensorFlow fixes a `PyDataset`'s batch shape
     from its first two batches, so with several sizes it gets an endless
     `tf.data` stream whose batch axis is unknown (not under `tf.distribute`, which
-    keeps one size). On an accelerator a second thread prepares the next batch
-    while the step runs (there the host work is most of a small step); not on the
-    CPU, where the step uses every core and Keras' thread pool costs ≈ 0.1 s per
-    epoch, nor when seeded, where one draw order is wanted.
+    keeps one size). A second thread prepares the next batch while the step
+    runs on an accelerator (there the host work is most of a small step) and
+    for ``prefetch`` (a source whose records are read and decoded per batch);
+    not for arrays on the CPU, where the step uses every core and Keras' thread
+    pool costs ≈ 0.1 s per epoch, nor when seeded, where one draw order is wanted.
 
     Shuffled passes (``"shuffle"``): `ShuffledBatches` of exactly ``b`` records.
 
     Args:
-        x, y, weights: the training arrays (``N`` rows) and per-record weights.
+        records: `ArrayRecords` of the validated training arrays, or a source's
+            `kdp.training.sources.ValidatedRecords` (validated per batch).
         batch_size: the expected batch size ``b``.
         params: the model's `DPParameters` (sampling, batch shapes, seed).
         steps_per_epoch: Keras' argument (default: one pass).
         replicas: data-parallel replicas sharing each global batch.
         processes: the `kdp.training.processes.ProcessGroup` when several
-            processes train together: ``x`` is this process's shard, sampled at
-            the global rate ``b/N``; ``replicas`` counts this process's replicas.
-            JAX: the processes agree on one padded size per step. TensorFlow:
-            each worker feeds its own batches to its replica
+            processes train together: ``records`` are this process's shard,
+            sampled at the global rate ``b/N``; ``replicas`` counts this
+            process's replicas. JAX: the processes agree on one padded size per
+            step. TensorFlow: each worker feeds its own batches to its replica
             (``distribute_datasets_from_function``; the replicas' shapes may
             differ, only gradients are reduced).
+        prefetch: read batches ahead of the step (two threads) when unseeded.
+
+    Returns:
+        ``(data, steps_per_epoch)``; a `PoissonBatches` ``data`` has read its
+        first batch (`PoissonBatches.prime`), so a source's first records were
+        validated before anything is spent.
     """
     seed = params.draw_seed(offset=1) if params.reproducible else None
     if processes is not None:
-        return _process_batches(x, y, weights, batch_size, params, steps_per_epoch, replicas,
-                                processes, seed)
+        batches, steps = _process_batches(records, batch_size, params, steps_per_epoch, replicas,
+                                          processes, seed)
+        return batches, steps
     if params.sampling == "shuffle":
         if batch_size % replicas:
             raise ValueError(f"shuffled batches of b={batch_size} records cannot be split "
                              f"evenly over {replicas} replicas: choose b divisible by {replicas}")
-        return ShuffledBatches(x, y, batch_size, weights, steps_per_epoch, seed=seed), steps_per_epoch
+        return ShuffledBatches(records, None, batch_size, None, steps_per_epoch, seed=seed), steps_per_epoch
     tensorflow = keras.backend.backend() == "tensorflow"
     shapes = 1 if tensorflow and replicas > 1 else params.batch_shapes
-    workers = 2 if seed is None and distribute.on_accelerator() else 1
-    batches = PoissonBatches(x, y, batch_size, weights, steps_per_epoch, seed=seed,
+    workers = 2 if seed is None and (prefetch or distribute.on_accelerator()) else 1
+    batches = PoissonBatches(records, None, batch_size, None, steps_per_epoch, seed=seed,
                              multiple_of=replicas, shapes=shapes, workers=workers)
+    batches.prime()
     if tensorflow and len(batches.shapes) > 1:
         return batches.as_tf_dataset(), len(batches)
     return batches, steps_per_epoch

@@ -29,7 +29,8 @@ from kdp.training import budget
 from kdp.training.callbacks import DP_Accountant, PrivacyJournal
 from kdp.training.ledger import LedgerJournal
 from kdp.training.processes import DistributedTrainingError, ProcessGroup
-from kdp.training.sampling import fit_batches
+from kdp.training.sampling import ArrayRecords, fit_batches
+from kdp.training.sources import RecordSource, ValidatedRecords, as_source
 from kdp.training.stepping import finish_releases, kdp_error, set_cotangent_scale
 from kdp.training.validation import DataValidationError, probe_loss, validate_batch, validate_stream
 
@@ -117,23 +118,33 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
     callbacks = list(callbacks or [])
     journal = _journal_for(callbacks)
     processes = ProcessGroup.of(model)
+    source = as_source(x, y, sample_weight)
+    if source is x and (y is not None or sample_weight is not None):
+        raise ValueError("a RecordSource holds its labels and weights (RecordSource(labels=, "
+                         "sample_weight=) or (x, y[, w]) records): pass neither y nor sample_weight")
     if processes is not None:
-        x = _join_processes(model, processes, x, y, sample_weight, class_weight, journal, kwargs)
-        x, steps_per_epoch = fit_batches(*x, md.batch_size, params, steps_per_epoch,
+        records = _join_processes(model, processes, source or x, y, sample_weight, class_weight,
+                                  journal, kwargs)
+        x, steps_per_epoch = fit_batches(records, md.batch_size, params, steps_per_epoch,
                                          replicas=distribute.local_replicas(model),
                                          processes=processes)
         y = sample_weight = None
-    elif is_arrays(x):
-        x, y, weights = _check_arrays(model, x, y, sample_weight, class_weight)
+    elif source is not None or is_arrays(x):
+        records = (_check_source(model, source, class_weight) if source is not None
+                   else ArrayRecords(*_check_arrays(model, x, y, sample_weight, class_weight)))
         x, steps_per_epoch = fit_batches(
-            x, y, weights, md.batch_size, params, steps_per_epoch,
-            replicas=distribute.num_replicas(model))  # data-parallel: shard the global batch
+            records, md.batch_size, params, steps_per_epoch,
+            replicas=distribute.num_replicas(model),  # data-parallel: shard the global batch
+            prefetch=source is not None)
         y = sample_weight = None
     elif params.sampling == "poisson":
         raise ValueError(
             "fit received a dataset or generator, whose batches kdp cannot make Poisson. "
-            "Pass NumPy arrays (Poisson sampling), or set DPParameters(sampling='shuffle') "
-            "to train on shuffled fixed-size batches with the matching (weaker) accounting.")
+            "Pass NumPy arrays, or a kdp.RecordSource over anything that reads a record by "
+            "index (files, a memmap, HDF5, a Hugging Face dataset): both are Poisson-sampled, "
+            "reading only the sampled records. A stream without random access can only be "
+            "trained with DPParameters(sampling='shuffle'), on shuffled fixed-size batches "
+            "with the matching (weaker, unamplified) accounting.")
     elif class_weight is not None or sample_weight is not None:
         raise ValueError("with a dataset, put the weights (in [0, 1]) in the dataset itself")
     else:
@@ -203,11 +214,14 @@ def _check_budgets(model, callbacks, mechanism):
 def _join_processes(model, processes, x, y, sample_weight, class_weight, journal, kwargs):
     """`fit`'s checks on one of several processes: usage errors raised here (the
     same on every process), then this shard's validation and the handshake
-    (`ProcessGroup.join`: every process raises, or none). Returns ``(x, y,
-    weights)`` of the validated shard."""
-    if not is_arrays(x):
+    (`ProcessGroup.join`: every process raises, or none). Returns the records
+    this process samples: its validated arrays, or its range of a
+    `RecordSource` (validated batch by batch)."""
+    source = x if isinstance(x, RecordSource) else None
+    if source is None and not is_arrays(x):
         raise ValueError("on several processes, fit takes each process's shard of the records "
-                         "as arrays (Poisson sampling at the global rate b/N)")
+                         "as arrays, or its range of a shared kdp.RecordSource(start=, stop=) "
+                         "(Poisson sampling at the global rate b/N)")
     if model.dp_parameters.sampling != "poisson":
         raise ValueError("training on several processes needs Poisson sampling (sampling='poisson')")
     if kwargs.get("validation_data") is not None:
@@ -215,15 +229,28 @@ def _join_processes(model, processes, x, y, sample_weight, class_weight, journal
                          "after training (a model's evaluation is not private anyway)")
     _check_engine(model, processes)
     error, shard = None, None
-    try:
-        shard = validate_batch(model, x, y, sample_weight, class_weight)
-        probe_loss(model, shard[0], shard[1])
-    except Exception as e:  # noqa: BLE001 (reported by every process, so all raise together)
-        error = f"{type(e).__name__}: {e}"
+    if source is None:
+        try:
+            shard = validate_batch(model, x, y, sample_weight, class_weight)
+            probe_loss(model, shard[0], shard[1])
+        except Exception as e:  # noqa: BLE001 (reported by every process, so all raise together)
+            error = f"{type(e).__name__}: {e}"
     if journal is not None:  # recover the steps of a run that was killed
         model.merge_ledger(journal.read())
-    processes.join(0 if shard is None else len(shard[1]), error, shard=shard)
-    return shard
+    rows = len(source) if source is not None else 0 if shard is None else len(shard[1])
+    processes.join(rows, error, shard=shard, source=source)
+    return ArrayRecords(*shard) if source is None else ValidatedRecords(source, model, class_weight)
+
+
+def _check_source(model, source, class_weight):
+    """A source's records as `fit` reads them (validated batch by batch), once its
+    size is checked against ``N``."""
+    n = model.dataset_metadata.nb_samples_train
+    if len(source) != n:
+        raise DataValidationError(
+            f"{source!r} has {len(source)} records but dataset_metadata.nb_samples_train={n}: "
+            "the sampling rate would be wrong")
+    return ValidatedRecords(source, model, class_weight)
 
 
 def _check_arrays(model, x, y, sample_weight, class_weight):
