@@ -180,6 +180,26 @@ def _worker():
                 result["no_distribution"] = None
             except ValueError as e:
                 result["no_distribution"] = str(e)
+    elif scenario == "source":  # each process reads its range of one memmap every process opens
+        full_x, full_y = data()
+        shared = np.memmap(os.environ["KDP_SOURCE"], "float32", "r", shape=full_x.shape)
+        lo, hi = bounds[rank], bounds[rank + 1]
+        with scope():
+            model = build(lr=0.01)
+        try:  # overlapping ranges: process 1 also reads process 0's last 5 records
+            model.fit(kdp.RecordSource(shared, labels=full_y, start=lo - 5 * (rank == 1), stop=hi),
+                      epochs=1, steps_per_epoch=2, verbose=0)
+            result["overlap"] = None
+        except ValueError as e:
+            result["overlap"] = str(e)
+        result["overlap_steps"] = model.privacy_ledger.training_steps()
+        draws.clear()
+        model.fit(kdp.RecordSource(shared, labels=full_y, start=lo, stop=hi), epochs=1,
+                  steps_per_epoch=12, verbose=0)
+        result.update(epsilon=model.privacy_spent()[0], ledger=model.privacy_ledger.to_json(),
+                      weights=[np.array(kdp.distribute.replica_values(v)[0]).ravel().tolist()
+                               for v in model.trainable_variables],
+                      rate=draws[0][2], mean_records=float(np.mean([d[0] for d in draws])))
     elif scenario == "kill":
         doomed = int(os.environ["KDP_DOOMED"])
         done_path = os.path.join(out, f"done-{rank}.txt")
@@ -237,7 +257,7 @@ def _free_ports(count):
     return ports
 
 
-def launch(processes, scenario, tmp_path, doomed=-1, timeout=420, script=None):
+def launch(processes, scenario, tmp_path, doomed=-1, timeout=420, script=None, source=""):
     """Start ``processes`` workers (this file, or ``script`` run in ``tmp_path``);
     ``{rank: result}`` of those that wrote one, and the return codes."""
     ports = _free_ports(processes)
@@ -248,7 +268,8 @@ def launch(processes, scenario, tmp_path, doomed=-1, timeout=420, script=None):
         env = dict(os.environ, KDP_RANK=str(rank), KDP_PROCESSES=str(processes),
                    KDP_SCENARIO=scenario, KDP_OUT=str(tmp_path), KDP_PORT=str(ports[0]),
                    KDP_COORDINATOR=f"127.0.0.1:{ports[0]}",
-                   KDP_DOOMED=str(doomed), TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+                   KDP_DOOMED=str(doomed), KDP_SOURCE=str(source), TF_CPP_MIN_LOG_LEVEL="3",
+                   CUDA_VISIBLE_DEVICES="")
         env.pop("XLA_FLAGS", None)
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                        "task": {"type": "worker", "index": rank}})
@@ -579,6 +600,69 @@ def test_overlapping_shards_are_refused_by_fit_before_any_step(monkeypatch):
         model.fit(x[:N // 2], y[:N // 2], epochs=1, verbose=0)
     assert model.privacy_ledger.training_steps() == 0
     assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables))
+
+
+def test_processes_reading_ranges_of_one_source_train_one_model(tmp_path):
+    """Two processes, each reading only its range of one memmap: overlapping
+    ranges are refused on both before any step; the partition trains one model
+    (identical weights and ledgers) at the global rate b/N, with the ε of a
+    single process on N records."""
+    x, _ = data()
+    path = tmp_path / "x.f32"
+    np.memmap(path, "float32", "w+", shape=x.shape)[:] = x
+    results, codes = launch(2, "source", tmp_path, source=path)
+    assert codes == [0, 0] and len(results) == 2, _tail(tmp_path, 2)
+    first, second = results[0], results[1]
+    bounds = shard_bounds(2)
+    assert first["overlap"] == second["overlap"]
+    assert f"processes 0 and 1 both read records [{bounds[1] - 5}, {bounds[1]})" in first["overlap"]
+    assert first["overlap_steps"] == second["overlap_steps"] == 0
+    assert first["ledger"] == second["ledger"] and first["weights"] == second["weights"]
+    assert first["rate"] == second["rate"] == pytest.approx(BATCH / N)
+    from kdp.training.ledger import PrivacyLedger
+
+    assert PrivacyLedger.from_json(first["ledger"]).training_steps() == 12
+    reference = build(seed=1)
+    reference.fit(x, data()[1], epochs=1, steps_per_epoch=12, verbose=0)
+    assert first["epsilon"] == pytest.approx(reference.privacy_spent()[0], rel=1e-9)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"start": 90}, r"processes 0 and 1 both read records \[90, 100\)"),
+    ({"start": 110}, r"records \[100, 110\) are in no process's range"),
+    ({"stop": N - 1}, r"records \[%d, %d\) are in no process's range" % (N - 1, N)),
+    ({"name": "other.f32"}, "process 1 reads a source with name='other.f32'"),
+    (None, "process 1 passes arrays and process 0 a RecordSource"),
+])
+def test_handshake_refuses_ranges_that_do_not_partition_one_source(edit, message):
+    import kdp
+
+    x, y = data()
+
+    def peer(record):
+        record["rows"] = N - 100
+        record["source"] = None if edit is None else {**record["source"], "start": 100, "stop": N,
+                                                      **edit}
+        return record
+
+    model, group = _group_with([peer])
+    with pytest.raises(ValueError, match=message):
+        group.join(100, source=kdp.RecordSource(x, labels=y, stop=100))
+    assert model.privacy_ledger.training_steps() == 0
+
+
+def test_handshake_accepts_ranges_that_partition_one_source():
+    import kdp
+
+    x, y = data()
+
+    def peer(record):
+        record["rows"], record["source"] = N - 100, {**record["source"], "start": 100, "stop": N}
+        return record
+
+    _, group = _group_with([peer])
+    group.join(100, source=kdp.RecordSource(x, labels=y, stop=100))
+    assert group.rows == [100, N - 100]
 
 
 def test_a_failed_step_keeps_the_engine_cause():

@@ -10,6 +10,8 @@
   `make_private` (privacy in one call);
 * `statement`: the privacy statement of a model;
 * `callbacks`: the callbacks `fit` knows (`DP_Accountant`, `PrivacyJournal`);
+* `sampling`: `fit`'s batches (Poisson, padded to static shapes; shuffled passes);
+* `sources`: `RecordSource`, records read by index (data larger than memory);
 * `saving`: the ledger inside every weights file;
 * `processes`: several processes training one model (shards, one ledger).
 """

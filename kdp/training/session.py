@@ -6,8 +6,10 @@
    cannot be trained as claimed: a bad configuration, invalid data
    (`kdp.training.validation`), a budget already spent (the model's or a
    `DP_Accountant`'s);
-2. sample the arrays (`kdp.training.sampling`: Poisson by default) at the rate of
-   the model's `StepPlan`, or validate a stream in shuffle mode;
+2. sample the arrays or a `kdp.RecordSource` (`kdp.training.sampling`: Poisson by
+   default; a source's batches are read and validated one by one,
+   `kdp.training.sources`) at the rate of the model's `StepPlan`, or validate a
+   stream in shuffle mode;
 3. project the constrained weights, reseed the noise and open a run in the
    ledger; the compiled step then spends, through the gated train function
    (`kdp.training.stepping`), one recorded release of the plan per step;

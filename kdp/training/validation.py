@@ -2,8 +2,8 @@
 break a bound the privacy guarantee relies on.
 
 `validate_batch` runs on every batch that reaches a DP model's noisy step (all
-of `fit`'s arrays at once, each `train_on_batch` batch, each batch of a dataset
-in shuffle mode) **before** the step is recorded in the ledger, so a refused
+of `fit`'s arrays at once, each batch read from a `kdp.RecordSource`, each
+`train_on_batch` batch, each batch of a dataset in shuffle mode) **before** the step is recorded in the ledger, so a refused
 batch costs nothing. It checks
 
 * shapes: every input, label and weight has the same number of rows, at most
@@ -83,7 +83,8 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
             f"a batch of {rows} rows > {max_rows}, the most the accountant assumes "
             "(dataset_metadata.batch_size)")
     for leaf in leaves:
-        if not np.issubdtype(leaf.dtype, np.number) or not np.all(np.isfinite(leaf)):
+        if not np.issubdtype(leaf.dtype, np.number) or not all(
+                np.all(np.isfinite(block)) for block in _row_blocks(leaf)):
             raise DataValidationError("the inputs contain NaN, infinite or non-numeric values")
     if not np.issubdtype(y.dtype, np.number) and y.dtype != bool:
         raise DataValidationError(f"labels must be numbers, got dtype {y.dtype}")
@@ -260,13 +261,22 @@ def _check_norms(model, leaves):
     bound = getattr(metadata, "max_norm", None)
     if bound is None or not input_bound_needed(model):
         return
+    limit = (bound * (1 + TOLERANCE)) ** 2
     for leaf in leaves:
-        flat = leaf.reshape(len(leaf), -1).astype("float64")
-        if flat.size and np.max(np.einsum("ij,ij->i", flat, flat)) > (bound * (1 + TOLERANCE)) ** 2:
-            raise DataValidationError(
-                f"an example's L2 norm exceeds DatasetMetadata(max_norm={bound:g}), the input bound "
-                "the gradient bounds are computed from. Clip the data first "
-                "(kdp.pipeline.bound_clip_value) or start the model with DP_BoundedInput.")
+        for block in _row_blocks(leaf):  # float64 temporaries of one block, not of the data
+            flat = block.reshape(len(block), -1).astype("float64")
+            if flat.size and np.max(np.einsum("ij,ij->i", flat, flat)) > limit:
+                raise DataValidationError(
+                    f"an example's L2 norm exceeds DatasetMetadata(max_norm={bound:g}), the input "
+                    "bound the gradient bounds are computed from. Clip the data first "
+                    "(kdp.pipeline.bound_clip_value) or start the model with DP_BoundedInput.")
+
+
+def _row_blocks(array, elements=1 << 22):
+    """``array`` in blocks of rows of about ``elements`` values (the checks'
+    temporaries stay small for a large in-memory training set)."""
+    rows = max(1, elements // max(1, int(np.prod(array.shape[1:]))))
+    return (array[start:start + rows] for start in range(0, len(array), rows))
 
 
 def validate_stream(model, data, max_rows):
