@@ -32,6 +32,7 @@ BUILDERS = {
     "07_adaptive_clipping.ipynb": ("build_07_adaptive_clipping.py", "CELLS"),
     "08_dpcl.ipynb": ("build_08_dpcl.py", "CELLS"),
     "09_audit.ipynb": ("build_09_audit.py", "CELLS"),
+    "10_data_from_disk.ipynb": ("build_10_data_from_disk.py", "CELLS"),
 }
 MAX_KB = 300  # execute_notebooks.py aims at < 200 KB: small figures, verbose=0/2 fits
 

@@ -204,6 +204,13 @@ def test_ranges_weights_and_an_empty_read():
     np.testing.assert_array_equal(weights, w[[100, 159]])
     empty = source.read([])
     assert [a.shape for a in empty] == [(0, D), (0,), (0,)]
+    recorded = Recorded(x, y)
+    fresh = RecordSource(recorded)
+    assert [a.shape for a in fresh.read([])] == [(0, D), (0,), (0,)]
+    assert recorded.reads == [0]  # an empty first read learns the shapes from record 0
+    fresh.read([4])
+    fresh.read([])
+    assert recorded.reads == [0, 4]  # later empty draws read nothing
     triples = RecordSource([(x[i], y[i], 0.5) for i in range(N)])  # (x, y, w) records
     np.testing.assert_array_equal(triples.read([1, 2])[2], [0.5, 0.5])
 

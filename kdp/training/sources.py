@@ -72,6 +72,8 @@ class RecordSource:
                 "DPParameters(sampling='shuffle') and its weaker accounting.")
         if transform is not None and not callable(transform):
             raise TypeError("transform must be a callable record -> x or (x, y[, w])")
+        if isinstance(labels, (list, tuple)):
+            labels = np.asarray(labels)
         self.records, self.labels, self.transform = records, labels, transform
         self.sample_weight = None if sample_weight is None else np.asarray(sample_weight, "float32")
         self.total = len(records)
@@ -87,6 +89,7 @@ class RecordSource:
         self._vectorised = transform is None and labels is not None and _is_array_like(records)
         self._pool = None
         self._pool_lock = threading.Lock()
+        self._shapes = None  # zero rows of inputs and labels, once a read has seen them
 
     def __len__(self):
         return self.stop - self.start
@@ -121,7 +124,9 @@ class RecordSource:
             x, y, w = (_stack([item[k] for item in items], ids, what)
                        for k, what in enumerate(("input", "label", "weight")))
             if not len(ids):
-                x, y, w = self._empty()
+                x, y = self._empty()
+        if self._shapes is None:
+            self._shapes = tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in (x, y))
         if self.sample_weight is not None:
             w = self.sample_weight[ids]
         return x, y, np.ones(len(ids), "float32") if w is None else np.asarray(w, "float32")
@@ -153,12 +158,14 @@ class RecordSource:
         return list(self._pool.map(function, ids))
 
     def _empty(self):
-        """Zero rows of the records' shapes (a draw of no record): one record is
-        read to learn them (its values are not used)."""
+        """Zero rows of inputs and labels (a draw of no record) in the records'
+        shapes: those of an earlier read, else record ``start`` is read to learn
+        them (its values are not used)."""
+        if self._shapes is not None:
+            return self._shapes
         x, y, _ = self._record(self.start)
         x, y = np.asarray(x), np.asarray(y)
-        return (np.zeros((0,) + x.shape, x.dtype), np.zeros((0,) + y.shape, y.dtype),
-                np.zeros(0, "float32"))
+        return np.zeros((0,) + x.shape, x.dtype), np.zeros((0,) + y.shape, y.dtype)
 
 
 def as_source(x, y=None, sample_weight=None):
@@ -184,7 +191,6 @@ class ValidatedRecords:
 
     def __init__(self, source, model, class_weight=None):
         self.source, self.model, self.class_weight = source, model, class_weight
-        self.template = None
         self._probed = False
 
     def __len__(self):
@@ -200,7 +206,6 @@ class ValidatedRecords:
         if not self._probed and len(y):
             probe_loss(self.model, x, y)
             self._probed = True
-        self.template = tuple(a[:0] for a in (x, y, w))
         return tuple(_padded(a, rows) for a in (x, y, w))
 
     def _named(self, error, indices, x, y, w):
