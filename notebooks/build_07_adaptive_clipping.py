@@ -6,12 +6,7 @@ outputs of a full run (TensorFlow backend). The tests execute a copy with
 ``KDP_NOTEBOOK_SMALL=1`` (well under a minute).
 """
 
-import os
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
 CELLS = [
     new_markdown_cell("""\
@@ -156,16 +151,9 @@ on the regime: see `benchmarks/adaptive_clipping_digits.py` for the numbers over
 
 
 def main():
-    nb = new_notebook(cells=CELLS)
-    for i, cell in enumerate(nb.cells):
-        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    nbformat.validate(nb)
-    path = os.path.join(HERE, "07_adaptive_clipping.ipynb")
-    with open(path, "w", encoding="utf-8") as f:
-        nbformat.write(nb, f)
-    print("wrote", path)
+    from build_notebooks import write  # this folder is the script's: on sys.path
+
+    write("07_adaptive_clipping.ipynb", CELLS)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,7 @@
 """Writes ``notebooks/08_dpcl.ipynb`` (without outputs): ``python notebooks/build_08_dpcl.py``;
 then ``python notebooks/execute_notebooks.py 08`` stores it with the outputs of a full run."""
 
-import os
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
 CELLS = [
     new_markdown_cell("""\
@@ -134,17 +131,9 @@ a proven 4C. The loss values are monitoring values from the private batch, not p
 
 
 def main():
-    nb = new_notebook(cells=CELLS)
-    for i, cell in enumerate(nb.cells):
-        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    nbformat.validate(nb)
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "08_dpcl.ipynb")
-    with open(path, "w", encoding="utf-8") as f:
-        nbformat.write(nb, f)
-    print("wrote", os.path.normpath(path))
+    from build_notebooks import write  # this folder is the script's: on sys.path
+
+    write("08_dpcl.ipynb", CELLS)
 
 
 if __name__ == "__main__":

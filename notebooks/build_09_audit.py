@@ -1,8 +1,6 @@
 """Writes ``notebooks/09_audit.ipynb`` (without outputs): ``python notebooks/build_09_audit.py``;
 then ``python notebooks/execute_notebooks.py 09`` stores it with the outputs of a full run."""
 
-import os
-
 import nbformat as nbf
 
 md = nbf.v4.new_markdown_cell
@@ -100,15 +98,9 @@ one canary in a few hundred trials can only certify ε up to about log(trials/6)
 
 
 def main():
-    nb = nbf.v4.new_notebook(cells=CELLS)
-    for i, cell in enumerate(nb.cells):
-        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    nbf.validate(nb)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "09_audit.ipynb")
-    nbf.write(nb, path)
-    print("wrote", path)
+    from build_notebooks import write  # this folder is the script's: on sys.path
+
+    write("09_audit.ipynb", CELLS)
 
 
 if __name__ == "__main__":

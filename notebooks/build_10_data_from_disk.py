@@ -1,8 +1,6 @@
 """Writes ``notebooks/10_data_from_disk.ipynb`` (without outputs): ``python notebooks/build_10_data_from_disk.py``;
 then ``python notebooks/execute_notebooks.py 10`` stores it with the outputs of a full run."""
 
-import os
-
 import nbformat as nbf
 
 md = nbf.v4.new_markdown_cell
@@ -234,15 +232,9 @@ model.fit(dataset.shuffle(n).batch(b, drop_remainder=True), epochs=EPOCHS)   # d
 
 
 def main():
-    nb = nbf.v4.new_notebook(cells=CELLS)
-    for i, cell in enumerate(nb.cells):
-        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    nbf.validate(nb)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "10_data_from_disk.ipynb")
-    nbf.write(nb, path)
-    print("wrote", path)
+    from build_notebooks import write  # this folder is the script's: on sys.path
+
+    write("10_data_from_disk.ipynb", CELLS)
 
 
 if __name__ == "__main__":
