@@ -82,9 +82,9 @@ sizes, pads less on long ones).
 batch size: the source must hold exactly N records.
 
 `fit(kdp.RecordSource(train_paths, labels=y_train, transform=decode))` draws
-each step's indices, opens those files only (`decode` runs in several reader
-threads), validates the batch, pads it, and prepares at most two batches ahead
-of the step."""),
+each step's indices, opens those files only, validates the batch and pads it
+(on an accelerator it prepares up to two batches ahead of the step;
+`readers=` and `processes=True` decode a batch's files in parallel)."""),
 code("""EPOCHS = 5 if SMALL else 40
 WIDTH = 64 if SMALL else 256
 SIGMA = 4.0
@@ -155,10 +155,11 @@ md("""## 4. A bad record is refused before its step
 Each drawn batch is read and validated before the step that uses it. A file
 that cannot be decoded, a record of the wrong shape, a NaN or a label the loss
 cannot take refuses the step with `DataValidationError`, naming the record's
-index; that step does not run and nothing is charged for it. Batches are read
-up to two steps ahead, so `fit` may stop a step or two before the one that drew
-the record (possibly before the first step): a step that did not run is not
-charged. The steps that ran before it are in the ledger.
+index; that step does not run and nothing is charged for it. The first batch
+is read before the first step, and with prefetch (on an accelerator) batches
+are read up to two steps ahead, so `fit` may stop a step or more before the one
+that drew the record (possibly before the first step): a step that did not run
+is not charged. The steps that ran before it are in the ledger.
 
 Here one training file is replaced by an empty file, and the model of section 1
 trains on until a step draws it (each step draws it with probability

@@ -2,7 +2,8 @@
 
 The layers, lowest first; a module may import its own layer and those below:
 
-0. `kdp._quiet`, `kdp.compat`: leaves (a logging filter, lip-dp's refused names);
+0. `kdp._quiet`, `kdp.compat`, `kdp._reader_processes`: leaves (a logging filter,
+   lip-dp's refused names, what a reader process imports);
 1. `kdp.privacy`: pure privacy maths on dp-accounting events (no model, no Keras);
 2. the building blocks of a DP model: `kdp.distribute`, `kdp.lipschitz`,
    `kdp.metadata`, `kdp.datasets`, `kdp.tabular`, `kdp.autodiff`, `kdp.layers`, `kdp.bounds`,
@@ -31,7 +32,7 @@ import pathlib
 import kdp
 
 LAYERS = (
-    ("kdp._quiet", "kdp.compat"),
+    ("kdp._quiet", "kdp.compat", "kdp._reader_processes"),
     ("kdp.privacy",),
     ("kdp.distribute", "kdp.lipschitz", "kdp.metadata", "kdp.datasets", "kdp.tabular",
      "kdp.autodiff",

@@ -336,3 +336,32 @@ def test_large_arrays_are_checked_block_by_block_to_the_last_row():
     x[-1, -1] = np.inf
     with pytest.raises(DataValidationError, match="NaN, infinite"):
         validate_batch(model, x, y)
+
+
+def test_reader_processes_read_the_same_records_and_name_a_bad_one(tmp_path):
+    """``processes=True``: the transform runs in spawned worker processes (a
+    Python decoder that holds the GIL); the rows are those of one reader, and a
+    record a worker cannot read is named by its index."""
+    x, y = _data(n=64)
+    paths = []
+    for i, row in enumerate(x):
+        paths.append(str(tmp_path / f"{i}.npy"))
+        np.save(paths[-1], row)
+    ids = np.arange(0, 64, 3)
+    one = RecordSource(paths, labels=y, transform=np.load)
+    many = RecordSource(paths, labels=y, transform=np.load, readers=2, processes=True)
+    for a, b in zip(one.read(ids), many.read(ids)):
+        np.testing.assert_array_equal(a, b)
+    (tmp_path / "30.npy").write_bytes(b"broken")
+    with pytest.raises(DataValidationError, match=r"record 30 of .* could not be read: \w+Error"):
+        many.read(ids)
+    with pytest.raises(ValueError, match="readers must be at least 1"):
+        RecordSource(paths, labels=y, readers=0)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_on_or_off_charges_exactly_the_steps_that_ran(prefetch):
+    x, y = _data()
+    model, steps = _model(), _Steps()
+    model.fit(RecordSource(x, labels=y, prefetch=prefetch), epochs=2, verbose=0, callbacks=[steps])
+    assert model.privacy_ledger.training_steps() == steps.count == 2 * math.ceil(N / B)

@@ -295,7 +295,7 @@ def _pad(array, idx, size):
 
 
 def fit_batches(records, batch_size, params, steps_per_epoch=None, replicas=1, processes=None,
-                prefetch=False):
+                prefetch=None):
     """``(data, steps_per_epoch)`` for Keras' `fit` on validated records.
 
     Poisson sampling (``params.sampling == "poisson"``): `PoissonBatches` padded to
@@ -303,10 +303,10 @@ def fit_batches(records, batch_size, params, steps_per_epoch=None, replicas=1, p
     from its first two batches, so with several sizes it gets an endless
     `tf.data` stream whose batch axis is unknown (not under `tf.distribute`, which
     keeps one size). A second thread prepares the next batch while the step
-    runs on an accelerator (there the host work is most of a small step) and
-    for ``prefetch`` (a source whose records are read and decoded per batch);
-    not for arrays on the CPU, where the step uses every core and Keras' thread
-    pool costs ≈ 0.1 s per epoch, nor when seeded, where one draw order is wanted.
+    runs (``prefetch``; by default on an accelerator, where the host work is
+    most of a small step; not on the CPU, where the step uses every core and
+    Keras' thread pool costs ≈ 0.1 s per epoch), never when seeded, where one
+    draw order is wanted.
 
     Shuffled passes (``"shuffle"``): `ShuffledBatches` of exactly ``b`` records.
 
@@ -324,7 +324,8 @@ def fit_batches(records, batch_size, params, steps_per_epoch=None, replicas=1, p
             step. TensorFlow: each worker feeds its own batches to its replica
             (``distribute_datasets_from_function``; the replicas' shapes may
             differ, only gradients are reduced).
-        prefetch: read batches ahead of the step (two threads) when unseeded.
+        prefetch: prepare batches ahead of the step (two threads) when
+            unseeded: ``True``, ``False`` or ``None`` (on an accelerator only).
 
     Returns:
         ``(data, steps_per_epoch)``; a `PoissonBatches` ``data`` has read its
@@ -343,7 +344,8 @@ def fit_batches(records, batch_size, params, steps_per_epoch=None, replicas=1, p
         return ShuffledBatches(records, None, batch_size, None, steps_per_epoch, seed=seed), steps_per_epoch
     tensorflow = keras.backend.backend() == "tensorflow"
     shapes = 1 if tensorflow and replicas > 1 else params.batch_shapes
-    workers = 2 if seed is None and (prefetch or distribute.on_accelerator()) else 1
+    ahead = distribute.on_accelerator() if prefetch is None else prefetch
+    workers = 2 if seed is None and ahead else 1
     batches = PoissonBatches(records, None, batch_size, None, steps_per_epoch, seed=seed,
                              multiple_of=replicas, shapes=shapes, workers=workers)
     batches.prime()

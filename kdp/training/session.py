@@ -137,7 +137,7 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
         x, steps_per_epoch = fit_batches(
             records, md.batch_size, params, steps_per_epoch,
             replicas=distribute.num_replicas(model),  # data-parallel: shard the global batch
-            prefetch=source is not None)
+            prefetch=None if source is None else source.prefetch)
         y = sample_weight = None
     elif params.sampling == "poisson":
         raise ValueError(

@@ -9,11 +9,11 @@ source, a list of file names with a decoding ``transform``), so `fit` trains on
 it with exactly the accounting of in-memory arrays: the same plan, the same
 ledger entry, the same ε.
 
-Each drawn batch is read on the host (several reader threads when a transform
-decodes records), validated by `kdp.training.validation.validate_batch` and
-padded, ahead of the step (a bounded prefetch): a record that would break a
-bound refuses the step, naming the record's index, before anything is charged
-(`ValidatedRecords`).
+Each drawn batch is read on the host (by reader threads or processes when
+asked), validated by `kdp.training.validation.validate_batch` and padded,
+ahead of the step on an accelerator (a bounded prefetch): a record that would
+break a bound refuses the step, naming the record's index, before anything is
+charged (`ValidatedRecords`).
 
 What the source promises: record ``i`` is the same at every read (a source that
 is not deterministic, e.g. a random augmentation in ``transform``, is the
@@ -24,14 +24,12 @@ accounting does not cover), and one record is one individual.
 import concurrent.futures
 import os
 import threading
+import weakref
 
 import numpy as np
 
+from kdp import _reader_processes
 from kdp.training.validation import DataValidationError, probe_loss, validate_batch
-
-#: the most reader threads a `RecordSource` starts by default
-_MAX_READERS = 8
-
 
 class RecordSource:
     """Records read by index, for `DP_Model.fit` (Poisson sampling, reading only
@@ -52,9 +50,18 @@ class RecordSource:
         start, stop: this process's range of record indices when several
             processes share one source (default: all records). ``fit`` checks
             that the processes' ranges partition the source.
-        readers: threads that read (and transform) one batch's records in
-            parallel; default 1 without a ``transform``, else the CPU count (at
-            most 8).
+        readers: how many records of one batch are read (and transformed) at
+            once (default 1): threads, which help when reading waits (a network
+            file system, a decoder that releases the GIL), or processes.
+        processes: read in ``readers`` worker processes (started by ``spawn``)
+            instead of threads: for a transform written in Python that holds
+            the GIL (decoding small images with Pillow). ``records`` and
+            ``transform`` must pickle (e.g. a list of paths and a function
+            defined at a module's top level, not in a notebook).
+        prefetch: read the next batches while the step runs (2 threads, at
+            most 2 batches ahead). Default (``None``): on an accelerator only;
+            on a CPU the step uses every core, and reading ahead slowed it
+            (`benchmarks/bench_sources.py`).
         name: what identifies the source across processes (default: a memmap's
             file name, an HDF5 dataset's file and name, else the type's name).
 
@@ -63,7 +70,7 @@ class RecordSource:
     """
 
     def __init__(self, records, labels=None, transform=None, *, sample_weight=None, start=0,
-                 stop=None, readers=None, name=None):
+                 stop=None, readers=1, processes=False, prefetch=None, name=None):
         if not (hasattr(records, "__len__") and hasattr(records, "__getitem__")):
             raise TypeError(
                 f"a RecordSource needs records that support len() and [index], got "
@@ -84,7 +91,10 @@ class RecordSource:
         if not 0 <= int(start) <= stop <= self.total:
             raise ValueError(f"start={start}, stop={stop} is not a range of the {self.total} records")
         self.start, self.stop = int(start), stop
-        self.readers = int(readers or (1 if transform is None else min(_MAX_READERS, os.cpu_count() or 1)))
+        self.readers = int(readers)
+        if self.readers < 1:
+            raise ValueError(f"readers must be at least 1, got {readers!r}")
+        self.processes, self.prefetch = bool(processes), prefetch
         self.name = name or _default_name(records)
         self._vectorised = transform is None and labels is not None and _is_array_like(records)
         self._pool = None
@@ -120,7 +130,7 @@ class RecordSource:
             x, y = np.asarray(self.records[ids]), np.asarray(self.labels[ids])
             w = None
         else:
-            items = self._map(self._record, ids.tolist())
+            items = [self._pair(i, item) for i, item in zip(ids.tolist(), self._items(ids.tolist()))]
             x, y, w = (_stack([item[k] for item in items], ids, what)
                        for k, what in enumerate(("input", "label", "weight")))
             if not len(ids):
@@ -131,16 +141,20 @@ class RecordSource:
             w = self.sample_weight[ids]
         return x, y, np.ones(len(ids), "float32") if w is None else np.asarray(w, "float32")
 
-    def _record(self, i):
-        """``(x, y, w or None)`` of record ``i`` (an index of the whole source)."""
+    def _load(self, i):
+        """Record ``i`` (an index of the whole source), read and transformed."""
         try:
             item = self.records[i]
-            if self.transform is not None:
-                item = self.transform(item)
+            return item if self.transform is None else self.transform(item)
         except Exception as e:  # noqa: BLE001 (the record's index is what the user needs)
-            raise DataValidationError(
-                f"record {i} of {self!r} could not be read: {type(e).__name__}: {e}. "
-                "Nothing was spent.") from e
+            raise self._unreadable(i, f"{type(e).__name__}: {e}") from e
+
+    def _unreadable(self, i, cause):
+        return DataValidationError(f"record {i} of {self!r} could not be read: {cause}. "
+                                   "Nothing was spent.")
+
+    def _pair(self, i, item):
+        """``(x, y, w or None)`` of record ``i`` from its transformed ``item``."""
         if self.labels is not None:
             return item, self.labels[i], None
         if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
@@ -149,13 +163,28 @@ class RecordSource:
                 "or a transform that returns such a tuple. Nothing was spent.")
         return item[0], item[1], item[2] if len(item) == 3 else None
 
-    def _map(self, function, ids):
+    def _items(self, ids):
+        """The transformed records at ``ids``, read by ``readers`` threads or processes."""
         if self.readers <= 1 or len(ids) < 2:
-            return [function(i) for i in ids]
+            return [self._load(i) for i in ids]
         with self._pool_lock:
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.readers, "kdp-reader")
-        return list(self._pool.map(function, ids))
+                self._pool = (
+                    _reader_processes.pool(self.readers, self.records, self.transform)
+                    if self.processes else
+                    concurrent.futures.ThreadPoolExecutor(self.readers, "kdp-reader"))
+                weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        if not self.processes:
+            return list(self._pool.map(self._load, ids))
+        size = -(-len(ids) // (4 * self.readers))  # a few chunks per process: fewer messages
+        chunks = [ids[k:k + size] for k in range(0, len(ids), size)]
+        items = []
+        for chunk, loaded in zip(chunks, self._pool.map(_reader_processes.load, chunks)):
+            for i, (item, error) in zip(chunk, loaded):
+                if error is not None:
+                    raise self._unreadable(i, error)
+                items.append(item)
+        return items
 
     def _empty(self):
         """Zero rows of inputs and labels (a draw of no record) in the records'
@@ -163,7 +192,7 @@ class RecordSource:
         them (its values are not used)."""
         if self._shapes is not None:
             return self._shapes
-        x, y, _ = self._record(self.start)
+        x, y, _ = self._pair(self.start, self._load(self.start))
         x, y = np.asarray(x), np.asarray(y)
         return np.zeros((0,) + x.shape, x.dtype), np.zeros((0,) + y.shape, y.dtype)
 
