@@ -357,6 +357,25 @@ def test_reader_processes_read_the_same_records_and_name_a_bad_one(tmp_path):
         many.read(ids)
     with pytest.raises(ValueError, match="readers must be at least 1"):
         RecordSource(paths, labels=y, readers=0)
+    with pytest.raises(TypeError, match="the transform to worker processes, but they do not pickle"):
+        RecordSource(paths, labels=y, transform=lambda p: np.load(p), processes=True)
+
+
+def test_shuffled_passes_read_a_source_like_arrays():
+    """``sampling="shuffle"`` through a source: the same unamplified ledger as the
+    arrays, each pass reading every record at most once."""
+    x, y = _data()
+    recorded = Recorded(x, y)
+    a, b = (_model(), _model())
+    for model in (a, b):
+        model.dp_parameters = model.dp_parameters.replace(sampling="shuffle")
+    a.fit(x, y, epochs=2, verbose=0)
+    b.fit(RecordSource(recorded), epochs=2, verbose=0)
+    assert a.privacy_ledger.events() == b.privacy_ledger.events()
+    assert a.privacy_spent() == b.privacy_spent()
+    # two passes of ⌊N/b⌋ batches of b records, and at most two batches Keras reads
+    # to learn the shapes (TensorFlow's signature: read, never trained on, no release)
+    assert 2 * (N // B) * B <= len(recorded.reads) <= (2 * (N // B) + 2) * B
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

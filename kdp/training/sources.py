@@ -95,6 +95,8 @@ class RecordSource:
         if self.readers < 1:
             raise ValueError(f"readers must be at least 1, got {readers!r}")
         self.processes, self.prefetch = bool(processes), prefetch
+        if self.processes:
+            _check_pickles(records, transform)
         self.name = name or _default_name(records)
         self._vectorised = transform is None and labels is not None and _is_array_like(records)
         self._pool = None
@@ -248,6 +250,21 @@ class ValidatedRecords:
                     f"record {self.source.start + int(i)} of {self.source!r}: {str(own).rstrip('.')}. "
                     "The step that would have used it was not run; nothing was spent.")
         return error
+
+
+def _check_pickles(records, transform):
+    """Refuse, at once, records or a transform that worker processes cannot receive."""
+    import pickle
+
+    for what, value in (("records", records), ("transform", transform)):
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 (any pickling failure)
+            raise TypeError(
+                f"RecordSource(processes=True) sends the {what} to worker processes, but they do "
+                f"not pickle ({type(e).__name__}: {e}). Define the transform at a module's top "
+                "level (not a lambda or a notebook function), pass records such as a list of "
+                "paths, or use reader threads (processes=False).") from e
 
 
 def _stack(values, ids, what):
