@@ -57,11 +57,13 @@ class RecordSource:
             instead of threads: for a transform written in Python that holds
             the GIL (decoding small images with Pillow). ``records`` and
             ``transform`` must pickle (e.g. a list of paths and a function
-            defined at a module's top level, not in a notebook).
+            defined at a module's top level, not in a notebook), and, as for
+            any spawned process, a script's top-level code must be guarded by
+            ``if __name__ == "__main__":`` (each worker imports the script).
         prefetch: read the next batches while the step runs (2 threads, at
-            most 2 batches ahead). Default (``None``): on an accelerator only;
-            on a CPU the step uses every core, and reading ahead slowed it
-            (`benchmarks/bench_sources.py`).
+            most 2 batches ahead). Default (``None``): on an accelerator only
+            (on a CPU the step uses every core). TensorFlow's stream of
+            several padded sizes holds one batch ahead in any case.
         name: what identifies the source across processes (default: a memmap's
             file name, an HDF5 dataset's file and name, else the type's name).
 
@@ -167,7 +169,7 @@ class RecordSource:
 
     def _items(self, ids):
         """The transformed records at ``ids``, read by ``readers`` threads or processes."""
-        if self.readers <= 1 or len(ids) < 2:
+        if not ids or (self.readers == 1 and not self.processes):
             return [self._load(i) for i in ids]
         with self._pool_lock:
             if self._pool is None:
