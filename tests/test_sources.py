@@ -211,8 +211,10 @@ def test_ranges_weights_and_an_empty_read():
     fresh.read([4])
     fresh.read([])
     assert recorded.reads == [0, 4]  # later empty draws read nothing
-    triples = RecordSource([(x[i], y[i], 0.5) for i in range(N)])  # (x, y, w) records
-    np.testing.assert_array_equal(triples.read([1, 2])[2], [0.5, 0.5])
+    mixed = RecordSource([(x[i], y[i], 0.5) if i % 2 else (x[i], y[i]) for i in range(N)])
+    np.testing.assert_array_equal(mixed.read([1, 2, 3])[2], [0.5, 1.0, 0.5])  # (x, y[, w]) records
+    with pytest.raises(IndexError, match=r"outside \[0, 60\)"):
+        source.read([60])
 
 
 def test_refused_constructions():

@@ -334,9 +334,8 @@ def fit_batches(records, batch_size, params, steps_per_epoch=None, replicas=1, p
     """
     seed = params.draw_seed(offset=1) if params.reproducible else None
     if processes is not None:
-        batches, steps = _process_batches(records, batch_size, params, steps_per_epoch, replicas,
-                                          processes, seed)
-        return batches, steps
+        return _process_batches(records, batch_size, params, steps_per_epoch, replicas,
+                                processes, seed)
     if params.sampling == "shuffle":
         if batch_size % replicas:
             raise ValueError(f"shuffled batches of b={batch_size} records cannot be split "

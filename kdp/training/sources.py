@@ -129,7 +129,10 @@ class RecordSource:
             DataValidationError: a record that cannot be read or stacked (its
                 index in the source is named; nothing was spent).
         """
-        ids = self.start + np.asarray(indices, dtype="int64")
+        local = np.asarray(indices, dtype="int64")
+        if local.size and (local.min() < 0 or local.max() >= len(self)):
+            raise IndexError(f"indices outside [0, {len(self)}) of {self!r}")
+        ids = self.start + local
         if self._vectorised and len(ids):
             x, y = np.asarray(self.records[ids]), np.asarray(self.labels[ids])
             w = None
@@ -271,8 +274,9 @@ def _check_pickles(records, transform):
 
 def _stack(values, ids, what):
     """One array of ``values`` (one per record); a record whose shape differs is named."""
-    if what == "weight":
-        return None if any(v is None for v in values) else np.asarray(values, "float32")
+    if what == "weight":  # a record without its own weight weighs 1
+        return (None if all(v is None for v in values)
+                else np.asarray([1.0 if v is None else v for v in values], "float32"))
     arrays = [np.asarray(v) for v in values]
     for i, a in zip(ids, arrays):
         if a.shape != arrays[0].shape:
