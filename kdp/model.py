@@ -195,10 +195,8 @@ class DPModelMixin:
             steps_per_epoch=None, **kwargs):
         """Keras ``fit`` with DP-SGD (`kdp.training.session`).
 
-        Arrays ``x, y`` (``len(x)`` must be ``dataset_metadata.nb_samples_train``),
-        or a `kdp.RecordSource` (records read by index: files, a memmap, HDF5, a
-        Hugging Face dataset; only the drawn records are read, each batch
-        validated before its step) are sampled with Poisson sampling, or, with
+        Arrays ``x, y`` or a `kdp.RecordSource` (``N`` =
+        ``dataset_metadata.nb_samples_train`` records) are sampled with Poisson sampling, or, with
         ``DPParameters(sampling="shuffle")``, cut into shuffled batches of exactly
         ``b`` records per pass. Datasets and generators are only accepted with
         ``sampling="shuffle"`` (batches of at most ``b`` records, each record at
@@ -217,8 +215,7 @@ class DPModelMixin:
         On several processes (JAX after ``keras.distribution.initialize`` with a
         `keras.distribution.DataParallel`; TensorFlow under
         `MultiWorkerMirroredStrategy`), every process calls `fit` with its own
-        disjoint shard of the records, or its range of one shared
-        `kdp.RecordSource` (see `kdp.training.processes`).
+        disjoint shard (or `kdp.RecordSource` range) (see `kdp.training.processes`).
         """
         return session.fit_session(
             self, super().fit, x, y, batch_size, epochs, callbacks, validation_split,

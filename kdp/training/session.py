@@ -125,8 +125,8 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
         raise ValueError("a RecordSource holds its labels and weights (RecordSource(labels=, "
                          "sample_weight=) or (x, y[, w]) records): pass neither y nor sample_weight")
     if processes is not None:
-        records = _join_processes(model, processes, source or x, y, sample_weight, class_weight,
-                                  journal, kwargs)
+        records = _join_processes(model, processes, x if source is None else source, y,
+                                  sample_weight, class_weight, journal, kwargs)
         x, steps_per_epoch = fit_batches(records, md.batch_size, params, steps_per_epoch,
                                          replicas=distribute.local_replicas(model),
                                          processes=processes)
