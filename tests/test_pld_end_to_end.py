@@ -101,6 +101,46 @@ def test_a_pld_calibrated_fit_runs_exactly_its_epochs_and_reports_pld():
     assert model.privacy_ledger.training_steps() == STEPS
 
 
+class _StepLogs(keras.callbacks.Callback):
+    """Each step's logged ε with the number of steps then in the ledger."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((logs["epsilon"], self.model.privacy_ledger.training_steps()))
+
+
+def test_a_steps_pld_epsilon_is_an_upper_bound_computed_four_times_an_epoch():
+    """With PLD a step's logs show ε at the next of 4 points of the epoch: never
+    below dp-accounting's ε of the steps done, exact at the points (steps 2, 4, 6,
+    8 of each 8-step epoch), at most 4 distinct values an epoch. Negative control:
+    the steps between the points log more than their exact ε, so a check of
+    equality would fail there."""
+    model = _model()
+    sigma = model.make_private(TARGET, EPOCHS)
+    spy = _StepLogs()
+    model.fit(*_data(), epochs=EPOCHS, verbose=0, callbacks=[spy])
+    assert [steps for _, steps in spy.seen] == list(range(1, STEPS + 1))
+    for logged, steps in spy.seen:
+        exact = _by_hand(sigma, steps)
+        assert logged >= exact * (1 - 1e-12)
+        assert logged == pytest.approx(_by_hand(sigma, 2 * -(-steps // 2)), rel=1e-12)
+    assert len({eps for eps, _ in spy.seen}) == STEPS // 2
+    odd = [(eps, steps) for eps, steps in spy.seen if steps % 2]
+    assert all(eps > _by_hand(sigma, steps) * (1 + 1e-6) for eps, steps in odd)
+
+
+def test_a_steps_rdp_epsilon_is_exact():
+    model = _model()
+    sigma = model.make_private(TARGET, EPOCHS, accountant="rdp")
+    spy = _StepLogs()
+    model.fit(*_data(), epochs=1, verbose=0, callbacks=[spy])
+    for logged, steps in spy.seen:
+        assert logged == pytest.approx(_by_hand(sigma, steps, "rdp"), rel=1e-9)
+
+
 def test_negative_control_budgeting_a_pld_calibration_with_rdp_stops_early():
     model = _model()
     model.make_private(TARGET, EPOCHS)

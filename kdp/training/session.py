@@ -37,13 +37,17 @@ from kdp.training.stepping import finish_releases, kdp_error, set_cotangent_scal
 from kdp.training.validation import DataValidationError, probe_loss, validate_batch, validate_stream
 
 
+#: how many times an epoch's step logs compute ε when it is accounted with PLD
+PLD_POINTS_PER_EPOCH = 4
+
+
 class _GateCallback(keras.callbacks.Callback):
     """`fit`'s side of the gate: takes back the steps of a block that provably did
     not run (the end of an epoch inside a ``steps_per_execution`` block: neither
     Keras nor the step's host check saw them), stops training before a block the
-    budgets would not allow (`fit` then warns), and writes ``epsilon`` (RDP) into
-    every step's logs (when anything reads them) and ``epsilon``, ``delta`` into
-    every epoch's.
+    budgets would not allow (`fit` then warns), and writes ``epsilon`` into every
+    step's logs (when anything reads them; with PLD an upper bound, `_ahead`)
+    and the exact ``epsilon``, ``delta`` into every epoch's.
 
     It is first in `fit`'s list, so other callbacks (checkpoints, accountants)
     see a ledger that covers the step they observe. It reads ``self._model``, not
@@ -75,11 +79,22 @@ class _GateCallback(keras.callbacks.Callback):
         if done < self._recorded:
             gate.settle(self._recorded - done)
             self._recorded = done
-        if logs is not None and self.epsilon_per_step:  # RDP: ~0.3 ms, skipped if unread
-            logs["epsilon"] = gate.privacy_spent()[0]
+        if logs is not None and self.epsilon_per_step:  # skipped if unread
+            logs["epsilon"] = gate.privacy_spent(ahead=self._ahead(gate, done))[0]
         if gate.remaining(self.mechanism) < self.block and not self._last_step(done):
             self._model.stop_training = True
             self._model._budget_stop = True
+
+    def _ahead(self, gate, done):
+        """Steps to the next of `PLD_POINTS_PER_EPOCH` points of the epoch (its end
+        included) when ε is accounted with PLD (≈ 30 ms an ε, against ≈ 0.3 ms
+        with RDP, which stays exact every step): a step's logs show the ε of that
+        point, an upper bound, and the epoch's end its exact ε."""
+        steps = (self.params or {}).get("steps")
+        if not steps or gate.accountant != "pld":
+            return 0
+        every = -(-steps // PLD_POINTS_PER_EPOCH)
+        return min(-done % every, max(steps - done, 0))
 
     def _last_step(self, done):
         params = self.params or {}
