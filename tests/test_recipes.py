@@ -15,13 +15,25 @@ def test_rules_follow_the_public_facts():
     assert digits.tau * digits.input_bound == 32.0 and digits.loss_clip == math.sqrt(2) / 50
     assert recipes.recipe((8, 8), 10, 1437, 3.0, max_norm=8.0).input_bound == 1.0
     assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image").input_bound == 1.0
-    mnist = recipes.recipe((28, 28, 1), 10, 60000, 3.0)
+    mnist = recipes.recipe((28, 28, 1), 10, 60000, 3.0, features=None)
     assert mnist.batch_size == 2048 and mnist.delta == 1e-6 and mnist.width == 512
+    assert mnist.method == "clipless"
+    # features="auto": scattering (then per-example clipping, linear) from 16 x 16 pixels
+    auto = recipes.recipe((28, 28, 1), 10, 60000, 3.0)
+    assert (auto.features, auto.method, auto.width, auto.feature_shape) == (
+        "scattering", "clipping", 0, (7, 7, 81))
+    assert recipes.recipe((16, 20), 10, 600, 3.0).features == "scattering"
+    assert recipes.recipe((15, 28), 10, 600, 3.0).features is None
+    assert digits.features is None and digits.feature_shape is None
+    assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image").features is None
+    scatter_clipless = recipes.recipe((28, 28), 10, 60000, 3.0, method="clipless")
+    assert scatter_clipless.width == 0 and scatter_clipless.input_bound == (7 * 7 * 81) ** 0.5 / 8
     clipping = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, method="clipping")
     assert recipes.recipe(target_epsilon=1.0, **clipping).epochs == 50
     assert recipes.recipe(target_epsilon=8.0, **clipping).epochs == 20
     assert recipes.recipe(target_epsilon=0.1, **clipping).epochs == 60
     assert recipes.recipe(target_epsilon=8.0, **clipping).clipping_norm == 0.1
+    assert recipes.recipe((30,), 2, 400, 8.0, method="clipping", max_norm=5.0).clipping_norm == 1.0
     small = recipes.recipe((30,), 2, 100, 3.0, max_norm=30 ** 0.5)
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
@@ -38,6 +50,8 @@ def test_rules_follow_the_public_facts():
     (dict(max_norm=-1.0), "max_norm"),
     (dict(kind="graph"), "kind"),
     (dict(input_shape=(30,)), "max_norm"),  # a table needs its public norm bound
+    (dict(features="wavelets"), "features"),
+    (dict(input_shape=(64,), features="scattering"), "features='scattering'"),
 ])
 def test_bad_facts_are_refused(kwargs, match):
     facts = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, target_epsilon=3.0)
