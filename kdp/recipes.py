@@ -122,7 +122,9 @@ CLIPLESS_HIDDEN_MIN_SAMPLES = 10_000
 class Recipe:
     """A model and schedule chosen by `recipe` (see the module docstring for the rules).
 
-    Attributes: ``method``, ``kind``, ``features``, ``input_shape``, ``nb_classes``,
+    Attributes: ``method``, ``kind``, ``features``, ``feature_shape`` (the shape of
+    one example's fixed features, or None), ``image_grid`` (an image's ``(H, W[,
+    C])``, or None), ``input_shape``, ``nb_classes``,
     ``nb_samples``, ``target_epsilon``, ``delta``, ``batch_size``, ``epochs``, ``learning_rate``,
     ``width``, ``clipping_norm`` (clipping), ``tau``, ``loss_clip`` and
     ``input_bound`` (Clipless), and ``rules`` (name -> the rule that set it).
@@ -219,12 +221,14 @@ class Recipe:
 
     def _features(self):
         """The fixed feature layers: none, or a scattering transform followed by a
-        per-example normalisation of each of its channels."""
+        per-example normalisation of each of its channels (after a reshape of a
+        flattened image to its grid)."""
         from kdp import layers as L
 
         if self.features != "scattering":
             return []
-        return [L.DP_Scattering2D(J=SCATTERING_J), L.DP_GroupNormalization()]
+        unflatten = [L.DP_Reshape(self.image_grid)] if self.image_grid != self.input_shape else []
+        return [*unflatten, L.DP_Scattering2D(J=SCATTERING_J), L.DP_GroupNormalization()]
 
     def _clipless_layers(self, inputs):
         import keras
@@ -276,7 +280,8 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
             ``input_shape``, else ``"image"``.
         features: ``"auto"`` (scattering for images of at least 16×16 pixels,
             else none), ``None`` or ``"scattering"`` (images of shape ``(H, W)``
-            or ``(H, W, C)``): a fixed scattering transform
+            or ``(H, W, C)``, or square grey images flattened to ``(H·H,)``,
+            which are reshaped first): a fixed scattering transform
             (`kdp.layers.DP_Scattering2D`, J = 2) and a per-example
             normalisation of each channel (`kdp.layers.DP_GroupNormalization`)
             first, then a linear model (Tramèr and Boneh 2021); the features'
@@ -307,12 +312,12 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     if features not in FEATURES:
         raise ValueError(f"features must be one of {FEATURES}, got {features!r}")
-    images_2d = kind == "image" and len(input_shape) in (2, 3)
-    if features == "scattering" and not images_2d:
-        raise ValueError("features='scattering' takes images of shape (H, W) or (H, W, C)")
+    grid = _image_grid(input_shape) if kind == "image" else None
+    if features == "scattering" and grid is None:
+        raise ValueError("features='scattering' takes images of shape (H, W) or (H, W, C), or "
+                         "square grey images flattened to (H * H,)")
     if features == "auto":
-        features = ("scattering" if images_2d and min(input_shape[:2]) >= SCATTERING_MIN_SIDE
-                    else None)
+        features = ("scattering" if grid and min(grid[:2]) >= SCATTERING_MIN_SIDE else None)
     if kind == "table" and max_norm is None:
         raise ValueError("a table's recipe needs max_norm, the public bound on a row's L2 norm "
                          "(kdp.tabular.TabularSchema.max_norm; sqrt(d) for d columns in [0, 1])")
@@ -323,9 +328,9 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
     epochs = int(round(min(60, 20 * max(1.0, 2.5 / target_epsilon))))
     d = math.prod(input_shape)
     wide = _power_of_two(4 * d, 64, 512)
-    feature_shape = _feature_shape(input_shape) if features == "scattering" else None
+    feature_shape = _feature_shape(grid) if features == "scattering" else None
     values = dict(method=method, kind=kind, features=features, feature_shape=feature_shape,
-                  input_shape=input_shape,
+                  input_shape=input_shape, image_grid=grid,
                   nb_classes=classes,
                   nb_samples=n, target_epsilon=float(target_epsilon), delta=float(delta),
                   batch_size=batch_size, epochs=epochs, max_norm=max_norm)
@@ -374,6 +379,16 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                      loss_clip="L/50 (L = sqrt(2), or 1 for one binary output): every "
                                "example's logit gradient clipped to the same small norm")
     return Recipe(rules=rules, **values)
+
+
+def _image_grid(input_shape):
+    """The ``(H, W)`` or ``(H, W, C)`` grid of an image's pixels: its shape, or
+    ``(s, s)`` for a flattened square grey image of ``s² ≥ 16`` values (e.g.
+    MNIST as 784 columns); ``None`` for anything else."""
+    if len(input_shape) in (2, 3):
+        return input_shape
+    side = math.isqrt(input_shape[0]) if len(input_shape) == 1 else 0
+    return (side, side) if side >= 4 and side * side == input_shape[0] else None
 
 
 def _feature_shape(input_shape):

@@ -177,3 +177,14 @@ def test_training_on_precomputed_features_is_training_the_whole_model(method):
     assert np.abs(last(trained(True, seed=1)) - last(whole)).max() > 1e-3
     with pytest.raises(ValueError, match="no fixed features"):
         recipes.recipe((8, 8), 3, 96, 4.0, features=None).feature_extractor()
+
+
+def test_a_flattened_square_image_gets_the_features_of_its_grid():
+    """``(256,)`` with ``kind="image"`` is a 16×16 image: reshaped, then the same
+    features as the ``(16, 16)`` recipe's; the whole model takes the flat rows."""
+    x = np.random.default_rng(7).uniform(size=(8, 16, 16)).astype("float32")
+    flat = recipes.recipe((256,), 3, 600, 3.0, max_norm=16.0, kind="image")
+    grid = recipes.recipe((16, 16), 3, 600, 3.0, max_norm=16.0)
+    np.testing.assert_allclose(flat.feature_extractor().predict(x.reshape(8, 256), verbose=0),
+                               grid.feature_extractor().predict(x, verbose=0), atol=1e-5)
+    assert flat.build(seed=0).predict(x.reshape(8, 256), verbose=0).shape == (8, 3)

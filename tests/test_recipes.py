@@ -26,6 +26,10 @@ def test_rules_follow_the_public_facts():
     assert recipes.recipe((15, 28), 10, 600, 3.0).features is None
     assert digits.features is None and digits.feature_shape is None
     assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image").features is None
+    flat = recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="image")  # MNIST as columns
+    assert (flat.image_grid, flat.features, flat.feature_shape) == ((28, 28), "scattering", (7, 7, 81))
+    assert recipes.recipe((3072,), 10, 4000, 3.0, max_norm=56.0, kind="image").features is None
+    assert recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0).features is None  # a table
     scatter_clipless = recipes.recipe((28, 28), 10, 60000, 3.0, method="clipless")
     assert scatter_clipless.width == 0 and scatter_clipless.input_bound == (7 * 7 * 81) ** 0.5 / 8
     clipping = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, method="clipping")
