@@ -86,7 +86,7 @@ def build_parser():
     demo.add_argument("--method", choices=METHODS, default="auto",
                       help="clipless (Lipschitz layers, no per-example gradients), clipping "
                            "(per-example clipping DP-SGD) or auto (the recipe's choice, "
-                           "kdp.recipes: Clipless); default: auto")
+                           "kdp.recipes: Clipless for digits); default: auto")
     demo.add_argument("--backend", choices=BACKENDS, default=None,
                       help="Keras backend (default: $KERAS_BACKEND, else tensorflow)")
     demo.add_argument("--epochs", type=_positive_int, default=None,

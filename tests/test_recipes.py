@@ -39,6 +39,9 @@ def test_rules_follow_the_public_facts():
     assert recipes.recipe(target_epsilon=8.0, **clipping).clipping_norm == 0.1
     assert recipes.recipe((30,), 2, 400, 8.0, method="clipping", max_norm=5.0).clipping_norm == 1.0
     small = recipes.recipe((30,), 2, 100, 3.0, max_norm=30 ** 0.5)
+    assert small.method == "clipless" and small.outputs == 1  # one binary output: Clipless
+    three = recipes.recipe((13,), 3, 133, 3.0, max_norm=13 ** 0.5)
+    assert (three.method, three.width, three.clipping_norm) == ("clipping", 0, 1.0)
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
         text = r.describe()
