@@ -17,6 +17,8 @@ digits, breast_cancer, wine, iris, four generated tables and two generated
   model);
 * ``scatter_from_16px``: the recipes' image rule, made of runs above:
   ``clipping_scatter`` for images of at least 16×16 pixels, ``clipless`` below;
+* ``<variant>_ema``: the same recipe with its moving average of the weights
+  (``Recipe.ema_momentum``); every variant without the suffix runs without it;
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -63,9 +65,11 @@ import suite_data  # noqa: E402
 EPSILONS = (1.0, 3.0, 8.0)
 #: the variants a rule may pick from, per kind of data
 CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "clipless_tau_by_outputs",
-                       "clipless_binary_else_clipping"),
+                       "clipless_binary_else_clipping", "clipless_tau128_ema", "clipping_ema",
+                       "clipless_binary_else_clipping_ema"),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
-                        "scatter_from_16px")}
+                        "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
+                        "scatter_from_16px_ema")}
 
 
 def _one_binary_output(data):
@@ -82,7 +86,10 @@ def _at_least_16px(data):
 #: tables (``features="auto"``, ``method="auto"``).
 COMPOSITE = {"clipless_tau_by_outputs": (_one_binary_output, "clipless_tau128", "clipless_tau32"),
              "clipless_binary_else_clipping": (_one_binary_output, "clipless_tau128", "clipping"),
-             "scatter_from_16px": (_at_least_16px, "clipping_scatter", "clipless")}
+             "scatter_from_16px": (_at_least_16px, "clipping_scatter", "clipless"),
+             "clipless_binary_else_clipping_ema": (_one_binary_output, "clipless_tau128_ema",
+                                                   "clipping_ema"),
+             "scatter_from_16px_ema": (_at_least_16px, "clipping_scatter_ema", "clipless_ema")}
 #: what runs on each kind: the candidates and the untuned per-example clipping config
 VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + ("clipping_untuned",)
             for kind, names in CANDIDATES.items()}
@@ -118,9 +125,11 @@ def _model(variant, data, eps, seed):
     method = "clipping" if variant.startswith("clipping") else "clipless"
     r = recipes.recipe(data.input_shape, data.nb_classes, n, eps, method=method,
                        max_norm=data.max_norm, kind=data.kind,
-                       features="scattering" if variant.endswith("_scatter") else None)
+                       features="scattering" if "_scatter" in variant else None)
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
-        r.tau = float(variant[len("clipless_tau"):]) / r.input_bound
+        r.tau = float(variant.removesuffix("_ema")[len("clipless_tau"):]) / r.input_bound
+    if not variant.endswith("_ema"):  # the recipe without its moving average of the weights
+        r.ema_momentum = None
     if not r.features:
         return r.build(seed=seed), r.epochs, lambda x: x
     extractor = r.feature_extractor()
@@ -277,6 +286,46 @@ def _baselines():
             if r.get("accuracy") is not None]
 
 
+#: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
+RULE_NOW = {"table": "clipless_binary_else_clipping", "image": "scatter_from_16px"}
+
+
+def summary(records, datasets, chosen, kind):
+    """README's table for ``kind``: the mean over seeds of accuracy (and, for two
+    classes, "accuracy / AUROC") of the rule now, the leave-one-out choice, the
+    best fixed candidate, and what a user would pick instead."""
+    names = [d for d in datasets if suite_data.load(d).kind == kind]
+    fixed = [v for v in CANDIDATES[kind] if v not in COMPOSITE]
+    others = ["clipping_untuned", "jax_privacy"] + (["diffprivlib"] if kind == "table" else [])
+    lines = [f"| dataset (N train, classes) | ε | `auto` now | auto, leave-one-out | best fixed "
+             f"kdp method | {' | '.join(others)} | non-private LR | non-private MLP |",
+             "|---" * (7 + len(others)) + "|"]
+    for d in names:
+        data = suite_data.load(d)
+
+        def cell(method, eps):
+            values = [_stats(records, d, method, eps, m) for m in ("accuracy", "auroc")]
+            if values[0] is None:
+                return "–"
+            return (f"{values[0][0]:.3f} / {values[1][0]:.3f}" if data.nb_classes == 2
+                    else f"{values[0][0]:.3f}")
+
+        for eps in EPSILONS:
+            best = max(fixed, key=lambda v: (_stats(records, d, v, eps, "accuracy") or (-1,))[0])
+            pick = chosen.get(d)
+            lines.append(
+                f"| {d} ({data.nb_train}, {data.nb_classes}) | {eps:g} | {cell(RULE_NOW[kind], eps)} "
+                f"| {cell('auto', eps) + f' ({pick})' if pick else '–'} "
+                f"| {cell(best, eps)} ({best}) | {' | '.join(cell(m, eps) for m in others)} "
+                f"| {cell('logreg_nonprivate', None)} | {cell('mlp_nonprivate', None)} |")
+    return "\n".join(lines)
+
+
+def _mean_over(records, datasets, method, metric):
+    return float(np.mean([_stats(records, d, method, e, metric)[0]
+                          for d in datasets for e in EPSILONS]))
+
+
 def report(datasets):
     records = runs = [r for r in load_results() if r["dataset"] in datasets]
     bad = epsilon_problems(records)
@@ -289,6 +338,17 @@ def report(datasets):
     for metric in ("accuracy", "auroc"):
         print(f"\n{metric} (mean ± sd over seeds)\n")
         print(table(records, datasets, metric))
+    for kind in ("image", "table"):
+        names = [d for d in datasets if suite_data.load(d).kind == kind]
+        if not names:
+            continue
+        print(f"\n{kind}s, README's summary (mean of the seeds)\n")
+        print(summary(records, datasets, chosen, kind))
+        methods = [m for m in ("auto", *CANDIDATES[kind]) if all(
+            _stats(records, d, m, e, "accuracy") for d in names for e in EPSILONS)]
+        print(f"\nmean over the {len(names)} {kind} sets and 3 ε (accuracy, AUROC): " + "; ".join(
+            f"{m} {_mean_over(records, names, m, 'accuracy'):.3f}, "
+            f"{_mean_over(records, names, m, 'auroc'):.3f}" for m in methods))
     gap = max(r["epsilon_spent"] / r["epsilon_recomputed"] - 1 for r in runs)
     print(f"\nε checks: {len(runs)} runs; ε above the target or below dp-accounting's "
           f"recomputation: {len(bad)}; largest ε / target: "

@@ -120,6 +120,9 @@ SCATTERING_MIN_SIDE = 16
 FEATURES = ("auto", None, "scattering")
 #: Clipless: a hidden layer from this many training records on
 CLIPLESS_HIDDEN_MIN_SAMPLES = 10_000
+#: the moving average of the weights: momentum ``1 − EMA_HORIZON / T`` for ``T`` steps,
+#: within ``[EMA_MIN, EMA_MAX]``
+EMA_HORIZON, EMA_MIN, EMA_MAX = 10.0, 0.9, 0.999
 
 
 class Recipe:
@@ -200,7 +203,9 @@ class Recipe:
         model = DP_Sequential(layers, dp_parameters=DPParameters(**params),
                               dataset_metadata=self.metadata(on_features),
                               name=f"dp_{self.method}_recipe")
-        model.compile(optimizer=keras.optimizers.Adam(self.learning_rate), loss=loss,
+        ema = (dict(use_ema=True, ema_momentum=self.ema_momentum)
+               if self.ema_momentum is not None else {})
+        model.compile(optimizer=keras.optimizers.Adam(self.learning_rate, **ema), loss=loss,
                       metrics=self._metrics())
         model.make_private(target_epsilon=self.target_epsilon, epochs=self.epochs)
         return model
@@ -383,6 +388,10 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                          "128 / input_bound",
                      loss_clip="L/50 (L = sqrt(2), or 1 for one binary output): every "
                                "example's logit gradient clipped to the same small norm")
+    steps = values["epochs"] * n / batch_size
+    values["ema_momentum"] = min(EMA_MAX, max(EMA_MIN, 1.0 - EMA_HORIZON / steps))
+    rules["ema_momentum"] = ("1 - 10/T for T training steps, in [0.9, 0.999]: the trained "
+                             "weights are a moving average of the last ~T/10 noisy iterates")
     return Recipe(rules=rules, **values)
 
 

@@ -161,3 +161,53 @@ def test_a_binary_table_trains_with_one_output_auroc_and_probabilities(method):
     tau = getattr(model.loss, "tau", 1.0)
     np.testing.assert_allclose(proba, 1 / (1 + np.exp(-tau * logits)), rtol=1e-5)
     assert logits.shape == (16, 1) and np.all((proba >= 0) & (proba <= 1))
+
+
+def test_the_moving_average_rule_and_its_clamp():
+    digits = recipes.recipe((8, 8), 10, 1437, 3.0)
+    steps = 30 * 1437 / 256
+    assert digits.ema_momentum == pytest.approx(1 - 10 / steps)
+    assert recipes.recipe((30,), 2, 100, 8.0, max_norm=5.0).ema_momentum == 0.9  # 94 steps
+    assert recipes.recipe((8, 8), 10, 10 ** 7, 3.0).ema_momentum == 0.999
+
+
+def test_a_clipless_recipe_ends_on_its_moving_average_projected_back_onto_the_bounds():
+    """Keras averages the updates before their constraints, so its moving average
+    of a Lipschitz kernel leaves the unit ball (negative control, measured on the
+    optimizer's average); `fit` projects it back: the trained kernel's largest
+    singular value is at most 1 and the model differs from the last iterate's
+    average only by that projection."""
+    import keras
+    import numpy as np
+
+    from kdp.pipeline import load_digits
+
+    (x, y), _, md = load_digits()
+    r = recipes.recipe(md.input_shape, md.nb_classes, len(x), 3.0, method="clipless",
+                       max_norm=md.max_norm, kind="image")
+    r.epochs = 3
+    model = r.build(seed=0)
+    assert model.optimizer.use_ema and model.optimizer.ema_momentum == r.ema_momentum
+    model.fit(x, y, epochs=3, verbose=0)
+    kernel = model.trainable_variables[0]
+    average = model.optimizer._model_variables_moving_average[0]
+    top = lambda v: np.linalg.svd(keras.ops.convert_to_numpy(v), compute_uv=False)[0]  # noqa: E731
+    assert top(kernel) <= 1 + 1e-5
+    assert top(average) > 1 + 1e-4  # what Keras left: outside the ball
+    assert np.abs(keras.ops.convert_to_numpy(kernel) - keras.ops.convert_to_numpy(average)).max() < 0.05
+
+
+def test_overwriting_the_weights_with_their_average_during_training_is_refused():
+    import keras
+    import numpy as np
+
+    from kdp.bounds import BoundError
+
+    r = recipes.recipe((8, 8), 10, 1437, 3.0, method="clipless", max_norm=8.0)
+    model = r.build(seed=0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=5),
+                  loss=model.loss)
+    x = np.random.default_rng(0).uniform(size=(1437, 8, 8)).astype("float32")
+    with pytest.raises(BoundError, match="ema_overwrite_frequency"):
+        model.fit(x, np.zeros(1437, "int64"), epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 0

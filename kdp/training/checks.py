@@ -26,6 +26,12 @@ def check_dp(model):
     if model.dp_parameters.clipping_norm is not None:
         return clipping.check_model(model)
     loss_lipschitz(model.loss)
+    if getattr(model.optimizer, "use_ema", False) and model.optimizer.ema_overwrite_frequency:
+        raise BoundError(
+            f"{model.name}: ema_overwrite_frequency={model.optimizer.ema_overwrite_frequency} "
+            "would train on averages of unprojected weights, outside the sets the gradient bounds "
+            "assume. Keep ema_overwrite_frequency=None: fit then ends on the average, projected "
+            "again.")
     for layer in model._flatten_layers(include_self=False):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise BoundError(f"{layer.name}: activity regularizers depend on the data; remove it")

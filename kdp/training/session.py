@@ -199,6 +199,10 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
                 if translated is e:
                     raise
                 raise translated from e
+        if getattr(model.optimizer, "use_ema", False):
+            # Keras ended on its moving average of the weights, which averages the updates
+            # before their constraints: back onto the certified sets (post-processing).
+            model.project_weights()
         if processes is not None:
             processes.verify()
         if model._budget_stop:
