@@ -287,7 +287,7 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_binary_else_clipping", "image": "scatter_from_16px"}
+RULE_NOW = {"table": "clipless_binary_else_clipping", "image": "scatter_from_16px_ema"}
 
 
 def summary(records, datasets, chosen, kind):

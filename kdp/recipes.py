@@ -64,6 +64,14 @@ The rules and their sources:
     digits every hidden layer tried lost to it at every ε; above, one hidden
     layer of width ``w`` (as for clipping), without bias (a bias's radius adds
     to the hidden layer's norm bound and so to the noise).
+* **a moving average of the weights** (images): the model ends training on an
+  exponential moving average of its noisy iterates (Keras' ``use_ema``),
+  momentum ``1 − 10/T`` for ``T`` steps within ``[0.9, 0.999]`` (the last ≈ T/10
+  steps; De et al. 2022, §3: averaging is post-processing, it costs no
+  privacy); `fit` projects the average back onto the Lipschitz layers' sets.
+  Chosen leave-one-dataset-out: every image fold picked the rule with it (mean
+  accuracy over the three image sets 0.911 against 0.908), every table fold
+  the rule without it (AUROC 0.865 against 0.858), so tables have none.
 * **Tables** (``kind="table"``, the default for a 1-D ``input_shape``): the
   columns are unrelated quantities, so nothing is centred across them and no
   row is shrunk: ``DP_BoundedInput(max_norm)`` (``max_norm`` is required: e.g.
@@ -389,9 +397,11 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                      loss_clip="L/50 (L = sqrt(2), or 1 for one binary output): every "
                                "example's logit gradient clipped to the same small norm")
     steps = values["epochs"] * n / batch_size
-    values["ema_momentum"] = min(EMA_MAX, max(EMA_MIN, 1.0 - EMA_HORIZON / steps))
-    rules["ema_momentum"] = ("1 - 10/T for T training steps, in [0.9, 0.999]: the trained "
-                             "weights are a moving average of the last ~T/10 noisy iterates")
+    values["ema_momentum"] = (min(EMA_MAX, max(EMA_MIN, 1.0 - EMA_HORIZON / steps))
+                              if kind == "image" else None)
+    rules["ema_momentum"] = ("images: 1 - 10/T for T training steps, in [0.9, 0.999] (the "
+                             "trained weights are a moving average of the last ~T/10 noisy "
+                             "iterates); tables: none")
     return Recipe(rules=rules, **values)
 
 

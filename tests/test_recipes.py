@@ -167,8 +167,11 @@ def test_the_moving_average_rule_and_its_clamp():
     digits = recipes.recipe((8, 8), 10, 1437, 3.0)
     steps = 30 * 1437 / 256
     assert digits.ema_momentum == pytest.approx(1 - 10 / steps)
-    assert recipes.recipe((30,), 2, 100, 8.0, max_norm=5.0).ema_momentum == 0.9  # 94 steps
+    assert recipes.recipe((8, 8), 10, 40, 8.0).ema_momentum == 0.9  # 30 epochs of 1.25 steps
     assert recipes.recipe((8, 8), 10, 10 ** 7, 3.0).ema_momentum == 0.999
+    table = recipes.recipe((30,), 2, 100, 8.0, max_norm=5.0)
+    assert table.ema_momentum is None  # tables: no moving average (leave-one-out)
+    assert not table.build(seed=0).optimizer.use_ema
 
 
 def test_a_clipless_recipe_ends_on_its_moving_average_projected_back_onto_the_bounds():
