@@ -366,25 +366,32 @@ def _plot(records, datasets):
     cols = 4
     rows = -(-len(datasets) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
-    methods = ["auto", "clipless", "clipless_tau32", "clipping", "clipping_scatter",
-               "clipping_untuned", "jax_privacy", "diffprivlib"]
+    # one colour per curve on every panel; "kdp auto" is the recipes' rule of the kind
+    curves = {"clipless": "C1", "clipless_tau128": "C1", "clipping": "C2",
+              "clipping_untuned": "C4", "jax_privacy": "C5", "diffprivlib": "C6", "kdp auto": "C0"}
     for ax, d in zip(axes.flat, datasets):
-        for m in methods:
+        for label, colour in curves.items():
+            m = RULE_NOW[suite_data.load(d).kind] if label == "kdp auto" else label
             pts = [(e, _stats(records, d, m, e, "accuracy")) for e in EPSILONS]
             pts = [(e, s) for e, s in pts if s]
             if pts:
-                ax.errorbar([e for e, _ in pts], [s[0] for _, s in pts],
-                            yerr=[s[1] for _, s in pts], marker="o", capsize=3, label=m)
+                ax.errorbar([e for e, _ in pts], [s[0] for _, s in pts], color=colour,
+                            yerr=[s[1] for _, s in pts], marker="o", capsize=3,
+                            ls=":" if label == "kdp auto" else "-", lw=2 if label == "kdp auto" else 1,
+                            label="clipless" if label.startswith("clipless") else label)
         ref = _stats(records, d, "logreg_nonprivate", None, "accuracy")
         if ref:
             ax.axhline(ref[0], color="k", ls="--", lw=0.8, label="non-private LR")
         ax.set_xscale("log")
+        ax.set_xticks(EPSILONS, [f"{e:g}" for e in EPSILONS])
+        ax.minorticks_off()
         ax.set_title(d)
         ax.set_xlabel("ε")
     for ax in list(axes.flat)[len(datasets):]:
         ax.axis("off")
     axes.flat[0].set_ylabel("test accuracy")
-    axes.flat[0].legend(fontsize=7)
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
+    fig.legend(list(handles.values()), list(handles), loc="lower right", fontsize=9)
     fig.tight_layout()
     path = os.path.join(RESULTS, "recipes_suite.png")
     fig.savefig(path, dpi=110)

@@ -21,6 +21,15 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
   (``gen_2k_10c``: ``n_informative=10``), declared range ``[-5, 5]`` per feature
   (we generated the data: the range is a public design choice), clipped.
   The N in each name (500, 5k, 50k, 2k) counts all rows *before* the split.
+* glyph_digits, glyph_letters: generated 28x28 grey images of handwriting-like
+  characters (`render_glyphs`): the ten digits (5,400 rows) or the 26 lowercase
+  letters (8,000 rows), each drawn in one of the 21 faces of the fonts that
+  matplotlib ships, randomly rotated, sheared, scaled, shifted, thickened or
+  thinned, blurred, elastically deformed and overlaid with pixel noise; values
+  in [0, 1] by construction, ``max_norm = 28``. Their only role is to give the
+  image rules data of another size and source than digits to be scored on
+  (non-private logistic regression / MLP on 4,050 training rows: about 0.91 /
+  0.95 on the digits, 0.80 / 0.87 on the letters).
 
 Split: stratified 75 / 25 train / test with ``random_state=0``, the same for
 every seed (seeds vary the training only).
@@ -140,6 +149,79 @@ def _digits():
                  "sklearn load_digits (1,797 8x8 images), pixels / 16")
 
 
+#: the font faces of `render_glyphs` (TrueType files shipped with matplotlib)
+GLYPH_FONTS = (
+    "DejaVuSans", "DejaVuSans-Bold", "DejaVuSans-Oblique", "DejaVuSans-BoldOblique",
+    "DejaVuSansMono", "DejaVuSansMono-Bold", "DejaVuSansMono-Oblique", "DejaVuSansMono-BoldOblique",
+    "DejaVuSerif", "DejaVuSerif-Bold", "DejaVuSerif-Italic", "DejaVuSerif-BoldItalic",
+    "STIXGeneral", "STIXGeneralBol", "STIXGeneralItalic", "STIXGeneralBolIta",
+    "cmr10", "cmb10", "cmss10", "cmti10", "cmtt10")
+
+
+@functools.lru_cache(maxsize=None)
+def _glyph_outline(char, font):
+    """The closed contours of ``char`` in ``font``, centred, longest side 1."""
+    import os
+
+    import matplotlib
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextPath
+
+    fname = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf",
+                         font + ".ttf")
+    contours = TextPath((0, 0), char, size=1.0,
+                        prop=FontProperties(fname=fname)).to_polygons(closed_only=True)
+    points = np.concatenate(contours)
+    low, high = points.min(axis=0), points.max(axis=0)
+    return [(np.asarray(c) - (low + high) / 2) / max(high - low) for c in contours]
+
+
+def render_glyphs(chars, n, seed, size=28, box=20, supersample=3):
+    """``(x, y)``: ``n`` grey ``size × size`` images in [0, 1] (float32) of the
+    characters ``chars`` (label = index in ``chars``), drawn at random in the
+    `GLYPH_FONTS`: the outline is rotated (N(0, 8°)), sheared (N(0, 0.12)),
+    scaled to ``box`` pixels (× U(0.75, 1.1), aspect × e^N(0, 0.12)), shifted
+    (N(0, 0.7) px), filled (even-odd, ``supersample``² points a pixel), thickened
+    or thinned, blurred, elastically deformed (a smooth field of ≈ 1 px) and
+    overlaid with N(0, 0.05) noise."""
+    from matplotlib.path import Path
+    from scipy import ndimage
+
+    rng = np.random.default_rng(seed)
+    grid = (np.arange(size * supersample) + 0.5) / supersample - size / 2
+    gx, gy = np.meshgrid(grid, -grid)
+    points = np.stack([gx.ravel(), gy.ravel()], axis=1)
+    rows, cols = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
+    y = rng.integers(0, len(chars), n)
+    fonts = rng.integers(0, len(GLYPH_FONTS), n)
+    x = np.empty((n, size, size), np.float32)
+    for i in range(n):
+        angle, shear = np.deg2rad(rng.normal(0, 8)), rng.normal(0, 0.12)
+        scale, aspect = box * rng.uniform(0.75, 1.1), np.exp(rng.normal(0, 0.12))
+        rotation = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+        m = rotation @ np.array([[1, shear], [0, 1]]) @ np.diag([scale * aspect, scale / aspect])
+        shift = rng.normal(0, 0.7, 2)
+        inside = np.zeros(len(points), bool)
+        for contour in _glyph_outline(chars[y[i]], GLYPH_FONTS[fonts[i]]):
+            inside ^= Path(contour @ m.T + shift).contains_points(points)
+        img = inside.reshape(size, supersample, size, supersample).mean(axis=(1, 3))
+        thicken = rng.uniform(-0.6, 0.9)
+        if thicken > 0:
+            img = np.maximum(img, ndimage.grey_dilation(img, size=(2, 2)) * thicken)
+        img = ndimage.gaussian_filter(img, rng.uniform(0.3, 0.9))
+        dx, dy = (ndimage.gaussian_filter(rng.normal(0, 1, (size, size)), 3) * 6 for _ in "xy")
+        img = ndimage.map_coordinates(img, [rows + dy, cols + dx], order=1, mode="constant")
+        img = img / max(float(img.max()), 1e-6) + rng.normal(0, 0.05, img.shape)
+        x[i] = np.clip(img, 0.0, 1.0)
+    return x, y
+
+
+def _glyphs(name, chars, n, seed):
+    x, y = render_glyphs(chars, n, seed)
+    return _make(name, "image", x, y, 0.0, 1.0, (28, 28),
+                 f"render_glyphs({chars!r}, n={n}, seed={seed}): 28x28 generated characters")
+
+
 def _table(name, loader, ranges, source):
     d = loader()
     ranges = np.asarray(ranges, np.float64)
@@ -159,9 +241,12 @@ def _generated(name, n, nb_classes, weights, n_informative=5, random_state=0):
                  f"random_state={random_state}), range [-5, 5] clipped")
 
 
-#: name -> loader (no argument) returning a `SuiteData`; ≤ 8 datasets
+#: name -> loader (no argument) returning a `SuiteData`
 DATASETS = {
     "digits": _digits,
+    "glyph_digits": lambda: _glyphs("glyph_digits", "0123456789", 5_400, seed=28),
+    "glyph_letters": lambda: _glyphs("glyph_letters", "abcdefghijklmnopqrstuvwxyz", 8_000,
+                                     seed=26),
     "breast_cancer": lambda: _table(
         "breast_cancer", skdatasets.load_breast_cancer, BREAST_CANCER_RANGES,
         "sklearn load_breast_cancer (569 x 30), DESCR min/max"),
