@@ -291,7 +291,7 @@ RULE_NOW = {"table": "clipless_binary_else_clipping", "image": "scatter_from_16p
 
 
 def summary(records, datasets, chosen, kind):
-    """README's table for ``kind``: the mean over seeds of accuracy (and, for two
+    """README's table for ``kind``: mean ± sd over seeds of accuracy (and, for two
     classes, "accuracy / AUROC") of the rule now, the leave-one-out choice, the
     best fixed candidate, and what a user would pick instead."""
     names = [d for d in datasets if suite_data.load(d).kind == kind]
@@ -307,8 +307,8 @@ def summary(records, datasets, chosen, kind):
             values = [_stats(records, d, method, eps, m) for m in ("accuracy", "auroc")]
             if values[0] is None:
                 return "–"
-            return (f"{values[0][0]:.3f} / {values[1][0]:.3f}" if data.nb_classes == 2
-                    else f"{values[0][0]:.3f}")
+            shown = values if data.nb_classes == 2 else values[:1]
+            return " / ".join(f"{v[0]:.3f} ± {v[1]:.3f}" for v in shown)
 
         for eps in EPSILONS:
             best = max(fixed, key=lambda v: (_stats(records, d, v, eps, "accuracy") or (-1,))[0])
@@ -342,7 +342,7 @@ def report(datasets):
         names = [d for d in datasets if suite_data.load(d).kind == kind]
         if not names:
             continue
-        print(f"\n{kind}s, README's summary (mean of the seeds)\n")
+        print(f"\n{kind}s, README's summary (mean ± sd over seeds)\n")
         print(summary(records, datasets, chosen, kind))
         methods = [m for m in ("auto", *CANDIDATES[kind]) if all(
             _stats(records, d, m, e, "accuracy") for d in names for e in EPSILONS)]

@@ -122,8 +122,8 @@ INPUT_BOUND_FRACTION = 8.0
 TAU_TIMES_BOUND = 32.0
 #: Clipless, tables: τ · input_bound
 TAU_TIMES_BOUND_TABLE = 128.0
-#: the scales of the scattering features (``features="scattering"``)
-SCATTERING_J = 2
+#: the scales and angles of the scattering features (``features="scattering"``)
+SCATTERING_J, SCATTERING_L = 2, 8
 #: ``features="auto"``: scattering features for images at least this many pixels a side
 SCATTERING_MIN_SIDE = 16
 FEATURES = ("auto", None, "scattering")
@@ -247,7 +247,8 @@ class Recipe:
         if self.features != "scattering":
             return []
         unflatten = [L.DP_Reshape(self.image_grid)] if self.image_grid != self.input_shape else []
-        return [*unflatten, L.DP_Scattering2D(J=SCATTERING_J), L.DP_GroupNormalization()]
+        return [*unflatten, L.DP_Scattering2D(J=SCATTERING_J, L=SCATTERING_L),
+                L.DP_GroupNormalization()]
 
     def _clipless_layers(self, inputs):
         import keras
@@ -420,14 +421,14 @@ def _image_grid(input_shape):
 
 def _feature_shape(input_shape):
     """The shape of one example's scattering features (`DP_Scattering2D`, J =
-    `SCATTERING_J`, 8 angles); after the per-channel normalisation their norm is
+    `SCATTERING_J`, L = `SCATTERING_L`); after the per-channel normalisation their norm is
     at most ``√n`` for their ``n`` values (`DP_GroupNormalization`)."""
     from kdp.layers.scattering import scattering_channels, scattering_grid
 
     M, N = scattering_grid(input_shape[0], input_shape[1], SCATTERING_J)
     channels = input_shape[2] if len(input_shape) == 3 else 1
     scale = 2 ** SCATTERING_J
-    return (M // scale, N // scale, channels * scattering_channels(SCATTERING_J, 8))
+    return (M // scale, N // scale, channels * scattering_channels(SCATTERING_J, SCATTERING_L))
 
 
 def _power_of_two(x, lo, hi):
