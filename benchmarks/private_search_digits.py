@@ -43,7 +43,7 @@ CANDIDATES = [dict(learning_rate=lr, clipping_norm=c)
 def recipe_run(data, epsilon, seed):
     (x, y), (x_test, y_test), md = data
     r = recipes.recipe(md.input_shape, md.nb_classes, len(x), epsilon, DELTA, method="clipping",
-                       max_norm=md.max_norm, kind="image")
+                       max_norm=md.max_norm, kind="image", features=None)
     model = r.build(seed=seed)
     model.fit(x, y, epochs=r.epochs, verbose=0)
     return float(model.evaluate(x_test, y_test, verbose=0)[1]), model.privacy_spent()[0], 1
@@ -56,7 +56,7 @@ def search_run(data, epsilon, seed):
     x_train, y_train = x[order[:n_train]], y[order[:n_train]]
     validation = (x[order[n_train:]], y[order[n_train:]])
     r = recipes.recipe(md.input_shape, md.nb_classes, n_train, epsilon, DELTA,
-                       method="clipping", max_norm=md.max_norm, kind="image")
+                       method="clipping", max_norm=md.max_norm, kind="image", features=None)
     q, steps = r.batch_size / n_train, r.epochs * -(-n_train // r.batch_size)
     score_sigma = next(s for s in SCORE_SIGMAS if accounting.epsilon_of_events(
         [tuning.selection_event(dp_accounting.GaussianDpEvent(s), MEAN_TRIALS)], DELTA)

@@ -31,7 +31,7 @@ def run(dataset, method, epsilon, seed):
     (x, y), (x_test, y_test), md = load_dataset(dataset, batch_size=32, **LOADER_ARGS[dataset])
     r = recipes.recipe(md.input_shape, md.nb_classes, md.nb_samples_train, epsilon, DELTA,
                        method=method, max_norm=md.max_norm,
-                       kind="table" if dataset == "breast_cancer" else "image")
+                       kind="table" if dataset == "breast_cancer" else "image", features=None)
     model = r.build(seed=seed)
     model.fit(x, y, epochs=r.epochs, verbose=0)
     eps = model.privacy_spent()[0]

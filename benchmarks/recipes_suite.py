@@ -2,23 +2,33 @@
 
 Runs, at ε = 1, 3, 8 and seeds 0, 1, 2 (the seed fixes the initialisation; the
 noise comes from the OS entropy), on the datasets of `suite_data` (scikit-learn's
-digits, breast_cancer, wine, iris, four generated tables and two generated
-28×28 image sets; nothing is downloaded):
+digits, breast_cancer, wine, iris, five generated tables and seven generated
+image sets of 8×8 to 28×28 pixels; nothing is downloaded):
 
 * ``clipless_tau32`` / ``clipless_tau128`` (tables): the Clipless recipe with
   τ·X = 32 (the image rule) or 128, the candidate rules for tables;
 * ``clipless_tau_by_outputs``: a rule made of runs above: τ·X = 128 for one
   binary output, 32 otherwise;
-* ``clipless_binary_else_clipping``: the recipes' table rule, made of runs
+* ``clipless_binary_else_clipping``: the recipes' former table rule, made of runs
   above: τ·X = 128 for one binary output, per-example clipping otherwise;
 * ``clipless`` / ``clipping`` (images): the recipe with ``features=None``;
 * ``clipless_scatter`` / ``clipping_scatter`` (images): the recipe with
   ``features="scattering"`` (scattering, per-channel normalisation, a linear
   model);
-* ``scatter_from_16px``: the recipes' image rule, made of runs above:
-  ``clipping_scatter`` for images of at least 16×16 pixels, ``clipless`` below;
+* ``scatter_from_16px`` / ``scatter_from_12px_ema``: size thresholds, made of
+  runs above: ``clipping_scatter`` for images of at least 16×16 (12×12)
+  pixels, ``clipless`` below (the ``_ema`` variants of both);
+  ``clipping_scatter_ema`` is the recipes' image rule (scattering for every
+  image of at least 8×8 pixels: all of the suite's);
 * ``<variant>_ema``: the same recipe with its moving average of the weights
   (``Recipe.ema_momentum``); every variant without the suffix runs without it;
+* ``clipping_long`` (tables of at least 10,000 training rows, whose recipe
+  has a hidden layer): the clipping recipe trained for 60 epochs at every ε
+  (the recipes' rule now); ``clipping`` there keeps the ε rule of the other
+  clipping models (20 epochs, more below ε = 2.5: the former rule);
+  ``clipping_long_if_hidden`` uses ``clipping_long`` there and ``clipping``
+  elsewhere, and ``clipless_binary_else_clipping_long`` is the recipes'
+  table rule;
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -33,8 +43,8 @@ picks, among the candidate variants, the one with the best mean score (accuracy
 + AUROC, over ε and seeds) on the *other* tables, and ``auto`` on ``D`` is that
 variant's score on ``D``. No rule is chosen with the dataset it is scored on.
 The image rule is chosen the same way among the image variants, over
-digits (8×8) and the two generated 28×28 sets of `suite_data` (glyph_digits,
-glyph_letters). A tie (two variants with the same runs on the other sets) goes
+digits (8×8) and the seven generated image sets of `suite_data` (8×8, 12×12,
+16×16 and 28×28 pixels). A tie (two variants with the same runs on the other sets) goes
 to the one listed first, so a fold that cannot tell a composite rule from the
 variant it copies there picks the plain variant.
 
@@ -63,35 +73,56 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import suite_data  # noqa: E402
 
 EPSILONS = (1.0, 3.0, 8.0)
+#: ``clipping_long``: the epochs of a table's MLP at every ε (`kdp.recipes.TABLE_MLP_EPOCHS`;
+#: ``clipping`` keeps the ε rule of the other clipping models there, the recipes' former rule)
+CLIPPING_LONG_EPOCHS = 60
 #: the variants a rule may pick from, per kind of data
 CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "clipless_tau_by_outputs",
                        "clipless_binary_else_clipping", "clipless_tau128_ema", "clipping_ema",
-                       "clipless_binary_else_clipping_ema"),
+                       "clipless_binary_else_clipping_ema", "clipping_long_if_hidden",
+                       "clipless_binary_else_clipping_long"),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
-                        "scatter_from_16px_ema")}
+                        "scatter_from_16px_ema", "scatter_from_12px_ema")}
 
 
 def _one_binary_output(data):
     return data.kind == "table" and data.nb_classes == 2
 
 
-def _at_least_16px(data):
-    return data.kind == "image" and min(data.input_shape[:2]) >= 16
+def _hidden_layer_table(data):
+    """A table whose recipes have a hidden layer (N ≥ 10,000 training rows)."""
+    from kdp.recipes import CLIPLESS_HIDDEN_MIN_SAMPLES
+
+    return data.kind == "table" and data.nb_train >= CLIPLESS_HIDDEN_MIN_SAMPLES
+
+
+def _at_least(side):
+    """The test "an image of at least ``side × side`` pixels"."""
+    def holds(data):
+        return data.kind == "image" and min(data.input_shape[:2]) >= side
+    return holds
 
 
 #: rules that combine runs already made: name -> (test of the dataset's public
-#: facts, variant where it holds, variant otherwise). ``scatter_from_16px`` and
-#: ``clipless_binary_else_clipping`` are `kdp.recipes`' rules for images and
-#: tables (``features="auto"``, ``method="auto"``).
+#: facts, variant where it holds, variant otherwise). `RULE_NOW` names `kdp.recipes`'
+#: rules; ``clipless_binary_else_clipping`` and the size thresholds were its former ones.
 COMPOSITE = {"clipless_tau_by_outputs": (_one_binary_output, "clipless_tau128", "clipless_tau32"),
              "clipless_binary_else_clipping": (_one_binary_output, "clipless_tau128", "clipping"),
-             "scatter_from_16px": (_at_least_16px, "clipping_scatter", "clipless"),
+             "scatter_from_16px": (_at_least(16), "clipping_scatter", "clipless"),
              "clipless_binary_else_clipping_ema": (_one_binary_output, "clipless_tau128_ema",
                                                    "clipping_ema"),
-             "scatter_from_16px_ema": (_at_least_16px, "clipping_scatter_ema", "clipless_ema")}
-#: what runs on each kind: the candidates and the untuned per-example clipping config
-VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + ("clipping_untuned",)
+             "scatter_from_16px_ema": (_at_least(16), "clipping_scatter_ema", "clipless_ema"),
+             "scatter_from_12px_ema": (_at_least(12), "clipping_scatter_ema", "clipless_ema"),
+             "clipping_long_if_hidden": (_hidden_layer_table, "clipping_long", "clipping"),
+             "clipless_binary_else_clipping_long": (_one_binary_output, "clipless_tau128",
+                                                    "clipping_long_if_hidden")}
+#: variants run only where their test holds (elsewhere the recipe is the plain variant's)
+ONLY_WHERE = {"clipping_long": _hidden_layer_table}
+#: run, but no candidate by themselves (a composite rule uses ``clipping_long``)
+RUN_ONLY = {"table": ("clipping_long", "clipping_untuned"), "image": ("clipping_untuned",)}
+#: what runs on each kind: the candidates that are not composites, and `RUN_ONLY`
+VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + RUN_ONLY[kind]
             for kind, names in CANDIDATES.items()}
 ALL_VARIANTS = tuple(dict.fromkeys(v for names in VARIANTS.values() for v in names))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -128,6 +159,10 @@ def _model(variant, data, eps, seed):
                        features="scattering" if "_scatter" in variant else None)
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
         r.tau = float(variant.removesuffix("_ema")[len("clipless_tau"):]) / r.input_bound
+    if variant == "clipping_long":  # the MLP trained for 60 epochs at every ε
+        r.epochs = CLIPPING_LONG_EPOCHS
+    elif method == "clipping" and r.kind == "table" and r.width:  # the rule of the other models
+        r.epochs = recipes.clipping_epochs(eps)
     if not variant.endswith("_ema"):  # the recipe without its moving average of the weights
         r.ema_momentum = None
     if not r.features:
@@ -194,6 +229,7 @@ def run(datasets, seeds, jobs):
     done = {_key(r) for r in load_results()}
     tasks = [(d, v, e, s) for d in datasets
              for v in VARIANTS[suite_data.load(d).kind]
+             if ONLY_WHERE.get(v, lambda _: True)(suite_data.load(d))
              for e in EPSILONS
              for s in range(seeds) if (d, v, e, s) not in done]
     print(f"{len(tasks)} runs to do ({len(done)} already in {OUT})", flush=True)
@@ -239,14 +275,16 @@ def leave_one_out(records, datasets):
 
 
 def with_composites(records, datasets):
-    """``records`` plus the rows of each `COMPOSITE` rule (copies of the runs it picks)."""
-    rows = []
+    """``records`` plus the rows of each `COMPOSITE` rule (copies of the runs it
+    picks; a rule may pick one listed before it)."""
     for name, (holds, then, otherwise) in COMPOSITE.items():
+        rows = []
         for d in datasets:
             pick = then if holds(suite_data.load(d)) else otherwise
             rows += [{**r, "method": name} for r in records
                      if r["dataset"] == d and r["method"] == pick]
-    return records + rows
+        records = records + rows
+    return records
 
 
 def with_auto(records, datasets):
@@ -287,7 +325,7 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_binary_else_clipping", "image": "scatter_from_16px_ema"}
+RULE_NOW = {"table": "clipless_binary_else_clipping_long", "image": "clipping_scatter_ema"}
 
 
 def summary(records, datasets, chosen, kind):
@@ -391,8 +429,9 @@ def _plot(records, datasets):
         ax.axis("off")
     axes.flat[0].set_ylabel("test accuracy")
     handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
-    fig.legend(list(handles.values()), list(handles), loc="lower right", fontsize=9)
-    fig.tight_layout()
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles),
+               fontsize=9)
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
     path = os.path.join(RESULTS, "recipes_suite.png")
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")

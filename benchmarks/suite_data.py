@@ -18,9 +18,11 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
   copied from the UCI documentation), copied below as constants. The published
   numbers are rounded, so a few values fall just outside and are clipped.
 * gen_*: ``make_classification(n_features=20, n_informative=5, n_redundant=2)``
-  (``gen_2k_10c``: ``n_informative=10``), declared range ``[-5, 5]`` per feature
-  (we generated the data: the range is a public design choice), clipped.
-  The N in each name (500, 5k, 50k, 2k) counts all rows *before* the split.
+  (``gen_2k_10c``: ``n_informative=10``; ``gen_20k_5c``: 8, five classes
+  40/25/15/12/8 %, added with the ``clipping_long`` variant as a second large
+  multi-class table), declared range ``[-5, 5]`` per feature (we generated the
+  data: the range is a public design choice), clipped. The N in each name
+  (500, 5k, 50k, 2k, 20k) counts all rows *before* the split.
 * glyph_digits, glyph_letters: generated 28x28 grey images of handwriting-like
   characters (`render_glyphs`): the ten digits (5,400 rows) or the 26 lowercase
   letters (8,000 rows), each drawn in one of the 21 faces of the fonts that
@@ -30,6 +32,11 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
   image rules data of another size and source than digits to be scored on
   (non-private logistic regression / MLP on 4,050 training rows: about 0.91 /
   0.95 on the digits, 0.80 / 0.87 on the letters).
+* glyph_digits_8, glyph_digits_12 (3,000 rows each), glyph_letters_8,
+  glyph_letters_12, glyph_letters_16 (6,000 each): the same drawings at 8×8,
+  12×12 and 16×16 pixels (drawn at 32, 24 and 32 pixels, then averaged over
+  4×4, 2×2 and 2×2 blocks), so that the image rules' size threshold is chosen
+  leave-one-dataset-out with other sets of every size.
 
 Split: stratified 75 / 25 train / test with ``random_state=0``, the same for
 every seed (seeds vary the training only).
@@ -216,10 +223,18 @@ def render_glyphs(chars, n, seed, size=28, box=20, supersample=3):
     return x, y
 
 
-def _glyphs(name, chars, n, seed):
-    x, y = render_glyphs(chars, n, seed)
-    return _make(name, "image", x, y, 0.0, 1.0, (28, 28),
-                 f"render_glyphs({chars!r}, n={n}, seed={seed}): 28x28 generated characters")
+def _glyphs(name, chars, n, seed, side=28):
+    """Glyphs of ``side × side`` pixels: drawn at ``side · k`` pixels (``k`` the
+    integer nearest ``28 / side``, the character ``20/28`` of that), then averaged
+    over ``k × k`` blocks, as scikit-learn's 8×8 digits were made from 32×32
+    bitmaps, so that the distortions keep their size relative to the character."""
+    pool = max(1, round(28 / side))
+    size = side * pool
+    x, y = render_glyphs(chars, n, seed, size=size, box=round(20 * size / 28))
+    x = x.reshape(n, side, pool, side, pool).mean(axis=(2, 4))
+    return _make(name, "image", x, y, 0.0, 1.0, (side, side),
+                 f"render_glyphs({chars!r}, n={n}, seed={seed}, size={size}), {pool}x{pool} "
+                 f"blocks averaged: {side}x{side} generated characters")
 
 
 def _table(name, loader, ranges, source):
@@ -247,6 +262,14 @@ DATASETS = {
     "glyph_digits": lambda: _glyphs("glyph_digits", "0123456789", 5_400, seed=28),
     "glyph_letters": lambda: _glyphs("glyph_letters", "abcdefghijklmnopqrstuvwxyz", 8_000,
                                      seed=26),
+    "glyph_digits_8": lambda: _glyphs("glyph_digits_8", "0123456789", 3_000, seed=8, side=8),
+    "glyph_digits_12": lambda: _glyphs("glyph_digits_12", "0123456789", 3_000, seed=12, side=12),
+    "glyph_letters_8": lambda: _glyphs("glyph_letters_8", "abcdefghijklmnopqrstuvwxyz", 6_000,
+                                       seed=88, side=8),
+    "glyph_letters_12": lambda: _glyphs("glyph_letters_12", "abcdefghijklmnopqrstuvwxyz", 6_000,
+                                        seed=1212, side=12),
+    "glyph_letters_16": lambda: _glyphs("glyph_letters_16", "abcdefghijklmnopqrstuvwxyz", 6_000,
+                                        seed=16, side=16),
     "breast_cancer": lambda: _table(
         "breast_cancer", skdatasets.load_breast_cancer, BREAST_CANCER_RANGES,
         "sklearn load_breast_cancer (569 x 30), DESCR min/max"),
@@ -259,6 +282,8 @@ DATASETS = {
     "gen_50k_3c": lambda: _generated("gen_50k_3c", 50_000, 3, [0.6, 0.3, 0.1], random_state=50_000),
     "gen_2k_10c": lambda: _generated("gen_2k_10c", 2_000, 10, None, n_informative=10,
                                      random_state=2_000),
+    "gen_20k_5c": lambda: _generated("gen_20k_5c", 20_000, 5, [0.4, 0.25, 0.15, 0.12, 0.08],
+                                     n_informative=8, random_state=20_000),
 }
 
 #: the datasets with at most a few thousand rows (the cheap ones)

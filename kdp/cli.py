@@ -3,7 +3,10 @@
 The demo trains a differentially private model chosen by `kdp.recipes` from
 public facts (Clipless DP-SGD or per-example clipping, ``--method``) on a
 dataset bundled with scikit-learn (no download) to a target ε, then prints a
-short report and saves a plot of accuracy and ε against epochs::
+short report and saves a plot of accuracy and ε against epochs. It trains on
+the digits' pixels (``features=None``), so that ``auto`` is Clipless and the
+model carries a robustness certificate; the recipes' default for images
+(scattering features, then per-example clipping) is shown in the README::
 
     python -m kdp demo                       # digits, ε = 3, δ = 1e-5, method auto
     python -m kdp demo --epsilon 1 --method clipless --backend jax --out /tmp/kdp
@@ -86,7 +89,7 @@ def build_parser():
     demo.add_argument("--method", choices=METHODS, default="auto",
                       help="clipless (Lipschitz layers, no per-example gradients), clipping "
                            "(per-example clipping DP-SGD) or auto (the recipe's choice, "
-                           "kdp.recipes: Clipless for digits); default: auto")
+                           "kdp.recipes: Clipless for the digits' pixels); default: auto")
     demo.add_argument("--backend", choices=BACKENDS, default=None,
                       help="Keras backend (default: $KERAS_BACKEND, else tensorflow)")
     demo.add_argument("--epochs", type=_positive_int, default=None,
@@ -215,8 +218,9 @@ def run_demo(args):
     if not args.delta < 1.0 / n:
         raise SystemExit(f"kdp demo: error: --delta must be < 1/N = {1.0 / n:.3g}")
     kind = "table" if args.dataset in TABLES else "image"  # digits come flattened
+    # on pixels (no scattering features): Clipless for auto, with its certificate
     recipe = recipes.recipe(md.input_shape, md.nb_classes, n, args.epsilon, args.delta,
-                            method=args.method, max_norm=md.max_norm, kind=kind)
+                            method=args.method, max_norm=md.max_norm, kind=kind, features=None)
     md = recipe.metadata()
     q, spe = md.sampling_rate, md.steps_per_epoch
     sigma = args.noise_multiplier

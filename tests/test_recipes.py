@@ -9,30 +9,38 @@ from kdp.training import budget
 
 
 def test_rules_follow_the_public_facts():
-    digits = recipes.recipe((8, 8), 10, 1437, 3.0)
+    digits = recipes.recipe((8, 8), 10, 1437, 3.0, features=None)
     assert digits.batch_size == 256 and digits.delta == 1e-5 and digits.method == "clipless"
     assert digits.width == 0 and digits.epochs == 30 and digits.input_bound == 1.0 / 8
     assert digits.tau * digits.input_bound == 32.0 and digits.loss_clip == math.sqrt(2) / 50
-    assert recipes.recipe((8, 8), 10, 1437, 3.0, max_norm=8.0).input_bound == 1.0
-    assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image").input_bound == 1.0
+    pixels = dict(features=None, max_norm=8.0)
+    assert recipes.recipe((8, 8), 10, 1437, 3.0, **pixels).input_bound == 1.0
+    assert recipes.recipe((64,), 10, 1437, 3.0, kind="image", **pixels).input_bound == 1.0
     mnist = recipes.recipe((28, 28, 1), 10, 60000, 3.0, features=None)
     assert mnist.batch_size == 2048 and mnist.delta == 1e-6 and mnist.width == 512
     assert mnist.method == "clipless"
-    # features="auto": scattering (then per-example clipping, linear) from 16 x 16 pixels
+    # features="auto": scattering (then per-example clipping, linear) from 8 x 8 pixels
     auto = recipes.recipe((28, 28, 1), 10, 60000, 3.0)
     assert (auto.features, auto.method, auto.width, auto.feature_shape) == (
         "scattering", "clipping", 0, (7, 7, 81))
-    assert recipes.recipe((16, 20), 10, 600, 3.0).features == "scattering"
-    assert recipes.recipe((15, 28), 10, 600, 3.0).features is None
+    auto_digits = recipes.recipe((8, 8), 10, 1437, 3.0)
+    assert (auto_digits.features, auto_digits.method, auto_digits.feature_shape) == (
+        "scattering", "clipping", (2, 2, 81))
+    assert recipes.recipe((8, 20), 10, 600, 3.0).features == "scattering"
+    assert recipes.recipe((7, 28), 10, 600, 3.0).features is None
     assert digits.features is None and digits.feature_shape is None
-    assert recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image").features is None
+    flat_digits = recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image")
+    assert (flat_digits.image_grid, flat_digits.features) == ((8, 8), "scattering")
+    assert recipes.recipe((49,), 10, 1437, 3.0, max_norm=7.0, kind="image").features is None
     flat = recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="image")  # MNIST as columns
     assert (flat.image_grid, flat.features, flat.feature_shape) == ((28, 28), "scattering", (7, 7, 81))
     assert recipes.recipe((3072,), 10, 4000, 3.0, max_norm=56.0, kind="image").features is None
-    assert recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0).features is None  # a table
+    with pytest.warns(UserWarning, match="kind='image'"):  # 784 = 28²: an image, or a table?
+        assert recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0).features is None  # a table
     scatter_clipless = recipes.recipe((28, 28), 10, 60000, 3.0, method="clipless")
     assert scatter_clipless.width == 0 and scatter_clipless.input_bound == (7 * 7 * 81) ** 0.5 / 8
-    clipping = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, method="clipping")
+    clipping = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, method="clipping",
+                    features=None)
     assert recipes.recipe(target_epsilon=1.0, **clipping).epochs == 50
     assert recipes.recipe(target_epsilon=8.0, **clipping).epochs == 20
     assert recipes.recipe(target_epsilon=0.1, **clipping).epochs == 60
@@ -42,6 +50,10 @@ def test_rules_follow_the_public_facts():
     assert small.method == "clipless" and small.outputs == 1  # one binary output: Clipless
     three = recipes.recipe((13,), 3, 133, 3.0, max_norm=13 ** 0.5)
     assert (three.method, three.width, three.clipping_norm) == ("clipping", 0, 1.0)
+    assert three.epochs == recipes.clipping_epochs(3.0) == 20
+    large = recipes.recipe((20,), 3, 37500, 8.0, max_norm=20 ** 0.5)  # a table's MLP: 60 epochs
+    assert (large.method, large.width, large.epochs) == ("clipping", 64, 60)
+    assert recipes.recipe((20,), 2, 37500, 8.0, max_norm=20 ** 0.5).epochs == 30  # Clipless
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
         text = r.describe()
@@ -58,12 +70,25 @@ def test_rules_follow_the_public_facts():
     (dict(kind="graph"), "kind"),
     (dict(input_shape=(30,)), "max_norm"),  # a table needs its public norm bound
     (dict(features="wavelets"), "features"),
-    (dict(input_shape=(64,), features="scattering"), "features='scattering'"),
+    (dict(input_shape=(64,), kind="table", features="scattering"), "features='scattering'"),
 ])
 def test_bad_facts_are_refused(kwargs, match):
     facts = dict(input_shape=(8, 8), nb_classes=10, nb_samples=1437, target_epsilon=3.0)
     with pytest.raises(ValueError, match=match):
         recipes.recipe(**{**facts, **kwargs})
+
+
+def test_a_one_dimensional_square_shape_warns_only_when_kind_is_not_given():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="table")
+        recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="image")
+        recipes.recipe((785,), 10, 4000, 3.0, max_norm=28.0)  # not a square
+        recipes.recipe((49,), 3, 400, 3.0, max_norm=7.0)  # too small for the image rule
+    with pytest.warns(UserWarning, match="flattened 8x8 grey image"):
+        recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0)
 
 
 @pytest.mark.parametrize("method", ["clipless", "clipping"])
@@ -93,7 +118,7 @@ def test_the_clipless_recipe_bounds_every_examples_gradient_and_the_bound_is_tig
 
     (x, y), _, md = load_digits()
     r = recipes.recipe(md.input_shape, md.nb_classes, nb_samples, 3.0, 1e-5, method="clipless",
-                       max_norm=md.max_norm, kind="image")
+                       max_norm=md.max_norm, kind="image", features=None)
     model = r.build(seed=0)
     x, y = x[:64] * 1.0, y[:64]
     bounds = kdp.compute_gradient_bounds(model)
@@ -164,10 +189,12 @@ def test_a_binary_table_trains_with_one_output_auroc_and_probabilities(method):
 
 
 def test_the_moving_average_rule_and_its_clamp():
-    digits = recipes.recipe((8, 8), 10, 1437, 3.0)
+    digits = recipes.recipe((8, 8), 10, 1437, 3.0, features=None)
     steps = 30 * 1437 / 256
     assert digits.ema_momentum == pytest.approx(1 - 10 / steps)
-    assert recipes.recipe((8, 8), 10, 40, 8.0).ema_momentum == 0.9  # 30 epochs of 1.25 steps
+    scattering = recipes.recipe((8, 8), 10, 1437, 3.0)  # per-example clipping: 20 epochs
+    assert scattering.ema_momentum == pytest.approx(1 - 10 / (20 * 1437 / 256))
+    assert recipes.recipe((8, 8), 10, 40, 8.0, features=None).ema_momentum == 0.9  # 37.5 steps
     assert recipes.recipe((8, 8), 10, 10 ** 7, 3.0).ema_momentum == 0.999
     table = recipes.recipe((30,), 2, 100, 8.0, max_norm=5.0)
     assert table.ema_momentum is None  # tables: no moving average (leave-one-out)
@@ -187,9 +214,9 @@ def test_a_clipless_recipe_ends_on_its_moving_average_projected_back_onto_the_bo
 
     (x, y), _, md = load_digits()
     r = recipes.recipe(md.input_shape, md.nb_classes, len(x), 3.0, method="clipless",
-                       max_norm=md.max_norm, kind="image")
+                       max_norm=md.max_norm, kind="image", features=None)
     r.epochs = 3
-    model = r.build(seed=0)
+    model = r.build(seed=0, noise_seed=0)  # the noise decides whether the average leaves the ball
     assert model.optimizer.use_ema and model.optimizer.ema_momentum == r.ema_momentum
     model.fit(x, y, epochs=3, verbose=0)
     kernel = model.trainable_variables[0]
@@ -206,7 +233,7 @@ def test_overwriting_the_weights_with_their_average_during_training_is_refused()
 
     from kdp.bounds import BoundError
 
-    r = recipes.recipe((8, 8), 10, 1437, 3.0, method="clipless", max_norm=8.0)
+    r = recipes.recipe((8, 8), 10, 1437, 3.0, method="clipless", max_norm=8.0, features=None)
     model = r.build(seed=0)
     model.compile(optimizer=keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=5),
                   loss=model.loss)
