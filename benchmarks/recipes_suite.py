@@ -15,11 +15,15 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
 * ``clipless_scatter`` / ``clipping_scatter`` (images): the recipe with
   ``features="scattering"`` (scattering, per-channel normalisation, a linear
   model);
+* ``clipping_scatter_pixels_ema`` (images): the recipe with
+  ``features="scattering+pixels"`` (the normalised pixels next to the
+  scattering features), with its moving average; ``pixels_below_12px_ema``
+  (the recipes' image rule) uses it below 12×12 pixels and
+  ``clipping_scatter_ema`` from there;
 * ``scatter_from_16px`` / ``scatter_from_12px_ema``: size thresholds, made of
   runs above: ``clipping_scatter`` for images of at least 16×16 (12×12)
-  pixels, ``clipless`` below (the ``_ema`` variants of both);
-  ``clipping_scatter_ema`` is the recipes' image rule (scattering for every
-  image of at least 8×8 pixels: all of the suite's);
+  pixels, ``clipless`` below (the ``_ema`` variants of both; 16 pixels was
+  the recipes' former image rule);
 * ``<variant>_ema``: the same recipe with its moving average of the weights
   (``Recipe.ema_momentum``); every variant without the suffix runs without it;
 * ``clipping_long`` (tables of at least 10,000 training rows, whose recipe
@@ -83,7 +87,8 @@ CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "cliple
                        "clipless_binary_else_clipping_long"),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
-                        "scatter_from_16px_ema", "scatter_from_12px_ema")}
+                        "scatter_from_16px_ema", "scatter_from_12px_ema",
+                        "clipping_scatter_pixels_ema", "pixels_below_12px_ema")}
 
 
 def _one_binary_output(data):
@@ -114,6 +119,8 @@ COMPOSITE = {"clipless_tau_by_outputs": (_one_binary_output, "clipless_tau128", 
                                                    "clipping_ema"),
              "scatter_from_16px_ema": (_at_least(16), "clipping_scatter_ema", "clipless_ema"),
              "scatter_from_12px_ema": (_at_least(12), "clipping_scatter_ema", "clipless_ema"),
+             "pixels_below_12px_ema": (_at_least(12), "clipping_scatter_ema",
+                                       "clipping_scatter_pixels_ema"),
              "clipping_long_if_hidden": (_hidden_layer_table, "clipping_long", "clipping"),
              "clipless_binary_else_clipping_long": (_one_binary_output, "clipless_tau128",
                                                     "clipping_long_if_hidden")}
@@ -156,7 +163,8 @@ def _model(variant, data, eps, seed):
     method = "clipping" if variant.startswith("clipping") else "clipless"
     r = recipes.recipe(data.input_shape, data.nb_classes, n, eps, method=method,
                        max_norm=data.max_norm, kind=data.kind,
-                       features="scattering" if "_scatter" in variant else None)
+                       features=("scattering+pixels" if "_scatter_pixels" in variant
+                                 else "scattering" if "_scatter" in variant else None))
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
         r.tau = float(variant.removesuffix("_ema")[len("clipless_tau"):]) / r.input_bound
     if variant == "clipping_long":  # the MLP trained for 60 epochs at every ε
@@ -325,7 +333,7 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_binary_else_clipping_long", "image": "clipping_scatter_ema"}
+RULE_NOW = {"table": "clipless_binary_else_clipping_long", "image": "pixels_below_12px_ema"}
 
 
 def summary(records, datasets, chosen, kind):

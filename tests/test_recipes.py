@@ -19,18 +19,20 @@ def test_rules_follow_the_public_facts():
     mnist = recipes.recipe((28, 28, 1), 10, 60000, 3.0, features=None)
     assert mnist.batch_size == 2048 and mnist.delta == 1e-6 and mnist.width == 512
     assert mnist.method == "clipless"
-    # features="auto": scattering (then per-example clipping, linear) from 8 x 8 pixels
+    # features="auto": scattering (then per-example clipping, linear) from 8 x 8 pixels,
+    # with the standardised pixels next to it below 12 x 12
     auto = recipes.recipe((28, 28, 1), 10, 60000, 3.0)
     assert (auto.features, auto.method, auto.width, auto.feature_shape) == (
         "scattering", "clipping", 0, (7, 7, 81))
     auto_digits = recipes.recipe((8, 8), 10, 1437, 3.0)
     assert (auto_digits.features, auto_digits.method, auto_digits.feature_shape) == (
-        "scattering", "clipping", (2, 2, 81))
-    assert recipes.recipe((8, 20), 10, 600, 3.0).features == "scattering"
+        "scattering+pixels", "clipping", (2 * 2 * 81 + 64,))
+    assert recipes.recipe((11, 20), 10, 600, 3.0).features == "scattering+pixels"
+    assert recipes.recipe((12, 20), 10, 600, 3.0).features == "scattering"
     assert recipes.recipe((7, 28), 10, 600, 3.0).features is None
     assert digits.features is None and digits.feature_shape is None
     flat_digits = recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0, kind="image")
-    assert (flat_digits.image_grid, flat_digits.features) == ((8, 8), "scattering")
+    assert (flat_digits.image_grid, flat_digits.features) == ((8, 8), "scattering+pixels")
     assert recipes.recipe((49,), 10, 1437, 3.0, max_norm=7.0, kind="image").features is None
     flat = recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="image")  # MNIST as columns
     assert (flat.image_grid, flat.features, flat.feature_shape) == ((28, 28), "scattering", (7, 7, 81))
