@@ -64,11 +64,12 @@ def test_gradient_norm_check_callback_logs_and_raises(batch):
 
 def test_noise_check_matches_calibration_and_detects_a_10_percent_error(batch):
     x, y = batch
-    model = _model(sigma=1.0)
+    # a fixed draw (the measured std's error is ≈ 1.1 %: rtol = 3 % failed ≈ 2 % of runs)
+    model = _model(sigma=1.0, seed=0)
     report = audit.noise_check(model, x[:8], y[:8], trials=60)
     assert report["ok"], report
     # A model whose noise is 10 % lower than what its claim (σ = 1) needs.
-    under = _model(sigma=0.9)
+    under = _model(sigma=0.9, seed=0)
     claim = {path: std / 0.9 for path, std in under.noise_stds().items()}
     assert not audit.noise_check(under, x[:8], y[:8], trials=60, expected=claim)["ok"]
 
