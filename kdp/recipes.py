@@ -114,11 +114,10 @@ The rules and their sources:
   all eight leave-one-dataset-out folds among ten candidate rules and is the
   best on average (accuracy 0.748, AUROC 0.874; the same with the MLP's 20
   epochs 0.736 / 0.866, clipping alone 0.733 / 0.842, Clipless τ·X = 128
-  alone 0.727 / 0.849). On
-  the seven generated image sets (8×8 to 28×28 pixels), the linear model on
-  normalised scattering features with per-example clipping (with the moving
-  average) is ahead of Clipless on pixels on each, by 0.006 (glyph_digits_8,
-  0.003 behind at ε = 1) to 0.245 in accuracy averaged over ε = 1, 3, 8
+  alone 0.727 / 0.849). On the seven generated image sets (8×8 to 28×28
+  pixels), the linear model on the recipe's features with per-example
+  clipping (and the moving average) is ahead of Clipless on pixels on each,
+  by 0.056 to 0.245 in accuracy averaged over ε = 1, 3, 8
   (``benchmarks/recipes_suite.py``; README, "Measured results").
 
 `DP_Model.predict_proba` turns the outputs into probabilities with the loss's
