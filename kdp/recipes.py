@@ -151,7 +151,9 @@ SCATTERING_J, SCATTERING_L = 2, 8
 SCATTERING_MIN_SIDE = 8
 #: ``features="auto"``: the standardised pixels next to the scattering features below this side
 PIXELS_MAX_SIDE = 12
-FEATURES = ("auto", None, "scattering", "scattering+pixels")
+#: the fixed image features a recipe can put first
+IMAGE_FEATURES = ("scattering", "scattering+pixels")
+FEATURES = ("auto", None, *IMAGE_FEATURES)
 #: Clipless: a hidden layer from this many training records on (tables: also with clipping)
 CLIPLESS_HIDDEN_MIN_SAMPLES = 10_000
 #: per-example clipping: the epochs of a table's MLP (from CLIPLESS_HIDDEN_MIN_SAMPLES rows)
@@ -350,7 +352,7 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
     n, classes = int(nb_samples), int(nb_classes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if kind is None and _image_grid(input_shape) is not None and input_shape[0] >= 64:
+    if kind is None and len(input_shape) == 1 and _image_grid(input_shape) and input_shape[0] >= 64:
         side = math.isqrt(input_shape[0])
         warnings.warn(
             f"recipe: input_shape {input_shape} is read as a table (the default for a 1-D "
@@ -375,7 +377,7 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
     if features not in FEATURES:
         raise ValueError(f"features must be one of {FEATURES}, got {features!r}")
     grid = _image_grid(input_shape) if kind == "image" else None
-    if features in ("scattering", "scattering+pixels") and grid is None:
+    if features in IMAGE_FEATURES and grid is None:
         raise ValueError(f"features={features!r} takes images of shape (H, W) or (H, W, C), or "
                          "square grey images flattened to (H * H,)")
     if features == "auto":

@@ -89,6 +89,7 @@ def test_a_one_dimensional_square_shape_warns_only_when_kind_is_not_given():
         recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="image")
         recipes.recipe((785,), 10, 4000, 3.0, max_norm=28.0)  # not a square
         recipes.recipe((49,), 3, 400, 3.0, max_norm=7.0)  # too small for the image rule
+        recipes.recipe((64, 64), 10, 4000, 3.0)  # an image's grid: nothing to ask
     with pytest.warns(UserWarning, match="flattened 8x8 grey image"):
         recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0)
 
