@@ -33,6 +33,12 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   ``clipping_long_if_hidden`` uses ``clipping_long`` there and ``clipping``
   elsewhere, and ``clipless_binary_else_clipping_long`` is the recipes'
   table rule;
+* ``<variant>_centred`` (tables): the same recipe on the columns centred at
+  their declared range's midpoint (``x - 1/2``, ``max_norm = sqrt(d) / 2``:
+  `kdp.tabular.TabularSchema`'s default, ``centre=True``), with τ·X = 64, 128
+  or 256 for Clipless; ``clipless[_tau64|_tau256]_binary_else_clipping_long_centred``
+  are the table rule on them (τ·X = 128 without a suffix; the recipes' rule
+  now: τ·X = 64);
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -84,7 +90,11 @@ CLIPPING_LONG_EPOCHS = 60
 CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "clipless_tau_by_outputs",
                        "clipless_binary_else_clipping", "clipless_tau128_ema", "clipping_ema",
                        "clipless_binary_else_clipping_ema", "clipping_long_if_hidden",
-                       "clipless_binary_else_clipping_long"),
+                       "clipless_binary_else_clipping_long", "clipless_tau128_centred",
+                       "clipping_centred", "clipping_long_if_hidden_centred",
+                       "clipless_binary_else_clipping_long_centred", "clipless_tau64_centred",
+                       "clipless_tau256_centred", "clipless_tau64_binary_else_clipping_long_centred",
+                       "clipless_tau256_binary_else_clipping_long_centred"),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
                         "scatter_from_16px_ema", "scatter_from_12px_ema",
@@ -123,11 +133,20 @@ COMPOSITE = {"clipless_tau_by_outputs": (_one_binary_output, "clipless_tau128", 
                                        "clipping_scatter_pixels_ema"),
              "clipping_long_if_hidden": (_hidden_layer_table, "clipping_long", "clipping"),
              "clipless_binary_else_clipping_long": (_one_binary_output, "clipless_tau128",
-                                                    "clipping_long_if_hidden")}
+                                                    "clipping_long_if_hidden"),
+             "clipping_long_if_hidden_centred": (_hidden_layer_table, "clipping_long_centred",
+                                                 "clipping_centred"),
+             "clipless_binary_else_clipping_long_centred": (
+                 _one_binary_output, "clipless_tau128_centred", "clipping_long_if_hidden_centred"),
+             "clipless_tau64_binary_else_clipping_long_centred": (
+                 _one_binary_output, "clipless_tau64_centred", "clipping_long_if_hidden_centred"),
+             "clipless_tau256_binary_else_clipping_long_centred": (
+                 _one_binary_output, "clipless_tau256_centred", "clipping_long_if_hidden_centred")}
 #: variants run only where their test holds (elsewhere the recipe is the plain variant's)
-ONLY_WHERE = {"clipping_long": _hidden_layer_table}
-#: run, but no candidate by themselves (a composite rule uses ``clipping_long``)
-RUN_ONLY = {"table": ("clipping_long", "clipping_untuned"), "image": ("clipping_untuned",)}
+ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hidden_layer_table}
+#: run, but no candidate by themselves (composite rules use ``clipping_long[_centred]``)
+RUN_ONLY = {"table": ("clipping_long", "clipping_long_centred", "clipping_untuned"),
+            "image": ("clipping_untuned",)}
 #: what runs on each kind: the candidates that are not composites, and `RUN_ONLY`
 VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + RUN_ONLY[kind]
             for kind, names in CANDIDATES.items()}
@@ -161,6 +180,10 @@ def _model(variant, data, eps, seed):
         model.make_private(target_epsilon=eps, epochs=20)
         return model, 20, lambda x: x
     method = "clipping" if variant.startswith("clipping") else "clipless"
+    centred = variant.endswith("_centred")
+    if centred:  # every column at its range's midpoint: `kdp.tabular.TabularSchema(centre=True)`
+        data = suite_data.centred(data)
+        variant = variant.removesuffix("_centred")
     r = recipes.recipe(data.input_shape, data.nb_classes, n, eps, method=method,
                        max_norm=data.max_norm, kind=data.kind,
                        features=("scattering+pixels" if "_scatter_pixels" in variant
@@ -174,7 +197,7 @@ def _model(variant, data, eps, seed):
     if not variant.endswith("_ema"):  # the recipe without its moving average of the weights
         r.ema_momentum = None
     if not r.features:
-        return r.build(seed=seed), r.epochs, lambda x: x
+        return r.build(seed=seed), r.epochs, (suite_data.centre if centred else lambda x: x)
     extractor = r.feature_extractor()
     return (r.build(seed=seed, on_features=True), r.epochs,
             lambda x: extractor.predict(x, batch_size=512, verbose=0))
@@ -333,7 +356,7 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_binary_else_clipping_long", "image": "pixels_below_12px_ema"}
+RULE_NOW = {"table": "clipless_tau64_binary_else_clipping_long_centred", "image": "pixels_below_12px_ema"}
 
 
 def summary(records, datasets, chosen, kind):

@@ -19,7 +19,7 @@ def schema():
          "colour": Categorical(["red", "green", "blue"]),
          "grade": Categorical([1, 2, 3]),
          "smoker": Categorical([False, True])},
-        label=("outcome", ["no", "yes"]))
+        label=("outcome", ["no", "yes"]), centre=False)
 
 
 def table():
@@ -76,31 +76,31 @@ def test_missing_values_are_refused_with_their_row_unless_a_fill_is_declared():
     data["income"] = np.array([1.0, 2.0, np.nan, 4.0, 5.0])
     with pytest.raises(ValueError, match=r"column 'income': missing value .* row 2 .*missing="):
         schema().transform(data)
-    filled = TabularSchema({"income": Numeric(0, 1e6, "log1p", missing=0.0)})
+    filled = TabularSchema({"income": Numeric(0, 1e6, "log1p", missing=0.0)}, centre=False)
     x = filled.transform({"income": [1.0, None, np.nan, 1e6]})
     np.testing.assert_allclose(x[:, 0], [math.log1p(1) / math.log1p(1e6), 0, 0, 1], rtol=1e-6)
 
 
 def test_out_of_range_values_infinities_included_are_clipped():
-    s = TabularSchema({"v": Numeric(-2, 2), "w": Numeric(0, 4, transform="sqrt")})
+    s = TabularSchema({"v": Numeric(-2, 2), "w": Numeric(0, 4, transform="sqrt")}, centre=False)
     x = s.transform({"v": [-np.inf, -3, -2, 0, 1, 2, 5, np.inf], "w": [-1, 0, 1, 4, 9, 1, 1, 1]})
     np.testing.assert_allclose(x[:, 0], [0, 0, 0, 0.5, 0.75, 1, 1, 1])
     np.testing.assert_allclose(x[:, 1], [0, 0, 0.5, 1, 1, 0.5, 0.5, 0.5])
 
 
 def test_unknown_levels_give_a_zero_block_or_an_error():
-    zero = TabularSchema({"c": Categorical(["a", "b"])})
+    zero = TabularSchema({"c": Categorical(["a", "b"])}, centre=False)
     np.testing.assert_array_equal(zero.transform({"c": ["b", "z", None, np.nan, 1]}),
                                   [[0, 1], [0, 0], [0, 0], [0, 0], [0, 0]])
     strict = TabularSchema({"c": Categorical(["a", "b"], unknown="error")})
     with pytest.raises(ValueError, match=r"column 'c': .* not a declared level in row 1"):
         strict.transform({"c": ["a", "z"]})
     np.testing.assert_array_equal(  # "1" is not the level 1
-        TabularSchema({"c": Categorical([1])}).transform({"c": ["1", 1]}), [[0], [1]])
+        TabularSchema({"c": Categorical([1])}, centre=False).transform({"c": ["1", 1]}), [[0], [1]])
 
 
 def test_labels_map_declared_levels_and_refuse_others():
-    s = TabularSchema({"x": Numeric(0, 1)}, label=("y", [3, 1, 2]))
+    s = TabularSchema({"x": Numeric(0, 1)}, label=("y", [3, 1, 2]), centre=False)
     np.testing.assert_array_equal(s.labels({"y": np.array([1, 2, 3, 3])}), [1, 2, 0, 0])
     assert s.nb_classes == 3
     with pytest.raises(ValueError, match=r"label column 'y': .* row 2"):
@@ -121,7 +121,8 @@ def test_missing_and_undeclared_columns_are_refused_unless_ignored():
         s.transform({"x": [0.5]})
     with pytest.raises(ValueError, match=r"undeclared columns \['id'\].*ignore="):
         s.transform({"x": [0.5], "c": ["a"], "id": [7]})
-    ignoring = TabularSchema({"x": Numeric(0, 1), "c": Categorical(["a"])}, ignore=["id"])
+    ignoring = TabularSchema({"x": Numeric(0, 1), "c": Categorical(["a"])}, ignore=["id"],
+                             centre=False)
     np.testing.assert_array_equal(ignoring.transform({"x": [0.5], "c": ["a"], "id": [7]}), [[0.5, 1]])
     with pytest.raises(ValueError, match="different lengths"):
         s.transform({"x": [0.5, 0.1], "c": ["a"]})
@@ -159,7 +160,7 @@ def test_invalid_declarations_are_refused(make, match):
 
 
 def test_a_monotone_callable_transform():
-    s = TabularSchema({"v": Numeric(1, 8, transform=np.cbrt)})
+    s = TabularSchema({"v": Numeric(1, 8, transform=np.cbrt)}, centre=False)
     np.testing.assert_allclose(s.transform({"v": [0, 1, 8, 27]})[:, 0], [0, 0, 1, 1])
     with pytest.raises(ValueError, match="callable transform cannot be saved"):
         s.get_config()
@@ -202,11 +203,11 @@ def bound_violations(x, bound):
     return int(np.sum(norms > bound * (1 + 1e-6))), bool(np.isclose(norms.max(), bound, rtol=1e-6))
 
 
-def bounded_schema():
+def bounded_schema(centre=False):
     return TabularSchema({
         "a": Numeric(-5, 5, missing=0), "b": Numeric(0, 100, "log1p", missing=3),
         "c": Numeric(1, 4, "sqrt", missing=4), "d": Categorical(["x", "y", "z"]),
-        "e": Categorical([0, 1]), "f": Categorical(["only"])})
+        "e": Categorical([0, 1]), "f": Categorical(["only"])}, centre=centre)
 
 
 def test_the_bound_is_exact_over_adversarial_rows():
@@ -224,6 +225,52 @@ def test_the_check_catches_a_bound_that_omits_the_categoricals():
     violations, _ = bound_violations(x, numeric_only)
     assert violations > 0
     assert bound_violations(x, s.max_norm * 1.01)[1] is False  # a loose bound is not exact
+
+
+def centred(s):
+    """``s`` with the default, ``centre=True``."""
+    return TabularSchema(s.columns, label=s.label, ignore=s.ignore)
+
+
+def test_centring_moves_each_column_by_the_centre_of_its_box():
+    s = schema()  # uncentred
+    x = centred(s).transform(table())
+    offsets = np.array([0.5, 0.5, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 0.5, 0.5])
+    np.testing.assert_allclose(x, EXPECTED - offsets, atol=1e-7)
+    assert centred(s).feature_names == s.feature_names
+    # 2 numeric (1/4 each), colour and grade (k = 3: 2/3), smoker (k = 2: 1/2)
+    assert math.isclose(centred(s).max_norm, math.sqrt(0.5 + 2 * 2 / 3 + 0.5))
+
+
+def test_the_centred_bound_is_exact_over_adversarial_rows():
+    s = bounded_schema(centre=True)
+    x = s.transform(adversarial_rows(s))
+    assert bound_violations(x, s.max_norm) == (0, True)
+    # a, b, c: 1/4; d (k = 3): 2/3; e (k = 2): 1/2; f (k = 1): 1 (an unknown value)
+    assert math.isclose(s.max_norm, math.sqrt(3 / 4 + 2 / 3 + 1 / 2 + 1))
+    assert s.max_norm < 0.85 * bounded_schema().max_norm
+
+
+def test_the_check_catches_a_centred_bound_that_omits_unknown_levels():
+    s = bounded_schema(centre=True)
+    x = s.transform(adversarial_rows(s))
+    declared_levels_only = math.sqrt(sum(
+        0.25 if isinstance(c, Numeric) else 1 - 1 / len(c.levels) for c in s.columns.values()))
+    assert bound_violations(x, declared_levels_only)[0] > 0
+    strict = TabularSchema({"f": Categorical(["only"], unknown="error"), "a": Numeric(0, 1)},
+                           centre=True)  # no unknown value can reach the model: 1 - 1/k
+    assert math.isclose(strict.max_norm, 0.5)
+
+
+def test_centre_round_trips_through_the_config_and_defaults_to_off_in_old_configs():
+    s = centred(schema())
+    config = json.loads(json.dumps(s.get_config()))
+    assert config["centre"] is True
+    np.testing.assert_array_equal(TabularSchema.from_config(config).transform(table()),
+                                  s.transform(table()))
+    del config["centre"]  # a config saved before the option: the features it gave
+    np.testing.assert_allclose(TabularSchema.from_config(config).transform(table()), EXPECTED,
+                               atol=1e-7)
 
 
 def test_importing_kdp_tabular_imports_neither_keras_nor_pandas():
