@@ -180,12 +180,11 @@ def _model(variant, data, eps, seed):
         model.make_private(target_epsilon=eps, epochs=20)
         return model, 20, lambda x: x
     method = "clipping" if variant.startswith("clipping") else "clipless"
-    centred = variant.endswith("_centred")
-    if centred:  # every column at its range's midpoint: `kdp.tabular.TabularSchema(centre=True)`
-        data = suite_data.centred(data)
-        variant = variant.removesuffix("_centred")
+    centred = variant.endswith("_centred")  # columns at their ranges' midpoint (`kdp.tabular`)
+    variant = variant.removesuffix("_centred")
     r = recipes.recipe(data.input_shape, data.nb_classes, n, eps, method=method,
-                       max_norm=data.max_norm, kind=data.kind,
+                       max_norm=suite_data.centred_max_norm(data) if centred else data.max_norm,
+                       kind=data.kind,
                        features=("scattering+pixels" if "_scatter_pixels" in variant
                                  else "scattering" if "_scatter" in variant else None))
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
@@ -356,7 +355,8 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_tau64_binary_else_clipping_long_centred", "image": "pixels_below_12px_ema"}
+RULE_NOW = {"table": "clipless_tau64_binary_else_clipping_long_centred",
+            "image": "pixels_below_12px_ema"}
 
 
 def summary(records, datasets, chosen, kind):

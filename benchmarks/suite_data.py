@@ -135,25 +135,23 @@ def map_to_unit(x, low, high):
 
 
 def _unit_schema(d):
-    """`kdp.tabular.TabularSchema` of ``d`` numeric columns declared in [0, 1],
-    centred (what a table's declared ranges give once `map_to_unit` has applied them)."""
+    """`kdp.tabular.TabularSchema` of ``d`` numeric columns declared in [0, 1] and
+    centred (its default): what a table's declared ranges give once `map_to_unit`
+    has applied them."""
     from kdp.tabular import Numeric, TabularSchema
 
-    return TabularSchema({i: Numeric(0.0, 1.0) for i in range(d)}, centre=True)
+    return TabularSchema({i: Numeric(0.0, 1.0) for i in range(d)})
 
 
 def centre(x):
-    """A table's features (in [0, 1]) moved to their ranges' midpoint, by
-    `kdp.tabular.TabularSchema` with ``centre=True``: ``x - 1/2``."""
+    """A table's features (in [0, 1]) moved to their ranges' midpoint by the
+    schema: ``x - 1/2``."""
     return _unit_schema(x.shape[1]).transform(dict(enumerate(x.T)))
 
 
-def centred(data):
-    """``data`` (a table) with every column centred (`centre`) and its exact norm
-    bound, ``sqrt(d) / 2``."""
-    assert data.kind == "table", data.name
-    return dataclasses.replace(data, x_train=centre(data.x_train), x_test=centre(data.x_test),
-                               max_norm=_unit_schema(data.x_train.shape[1]).max_norm)
+def centred_max_norm(data):
+    """The exact norm bound of ``data``'s rows once centred (`centre`): ``sqrt(d) / 2``."""
+    return _unit_schema(math.prod(data.input_shape)).max_norm
 
 
 def _make(name, kind, x, y, low, high, input_shape, source):
