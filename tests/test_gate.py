@@ -226,6 +226,29 @@ def test_data_beyond_max_norm_is_refused():
     assert model.privacy_ledger.training_steps() == 4
 
 
+def test_a_max_norm_that_tightens_a_capping_layer_is_checked():
+    """`DP_BoundedInput(2)` caps the inputs at 2; ``max_norm = 0.5`` below it makes
+    the bound pass use 0.5. Data of norm 1.5 passed the cap unchecked and its
+    per-example gradients exceeded the bounds the noise was calibrated to."""
+    from kdp.autodiff import per_example_gradients
+
+    x, y = _data(scale=1.5 / np.sqrt(D))  # norms ≈ 1.5: inside the cap, above max_norm
+    model = _model(max_norm=0.5)
+    loss = model.loss
+    bounds = kdp.compute_gradient_bounds(model, loss)
+    grads = per_example_gradients(model, loss, x[:16], y[:16])
+    ratio = max(float(np.max(np.linalg.norm(np.asarray(g).reshape(16, -1), axis=1))) / bounds[p]
+                for p, g in grads.items())
+    assert ratio > 1.5  # what the check prevents: gradients above their bounds
+    with pytest.raises(ValueError, match="max_norm"):
+        model.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="max_norm"):
+        model.train_on_batch(x[:16], y[:16])
+    assert model.privacy_ledger.training_steps() == 0
+    _model(max_norm=2.0).fit(x, y, epochs=1, verbose=0)  # a max_norm at the cap changes nothing
+    _model().fit(5.0 * x, y, epochs=1, verbose=0)  # without max_norm the cap bounds the inputs
+
+
 # -- finding 9: multi-hot labels ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("loss", [losses.DP_TauCategoricalCrossentropy(2.0), losses.DP_MulticlassHinge(),

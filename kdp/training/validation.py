@@ -28,13 +28,17 @@ batch costs nothing. It checks
   sparse categorical loss; and, once per `fit` (`probe_loss`), the loss is
   computed on two examples outside any step, so labels it cannot take are
   refused with their real shapes;
-* input norms, for Clipless models whose bound pass starts from
-  ``DatasetMetadata.max_norm`` (no `DP_BoundedInput`): every example's L2 norm
-  is at most ``max_norm``. Such data is **refused**, not clipped; clip it first
-  (`kdp.pipeline.bound_clip_value`) or start the model with `DP_BoundedInput`.
+* input norms, for Clipless models whose gradient bounds use
+  ``DatasetMetadata.max_norm`` (no `DP_BoundedInput`, or one whose radius is
+  above ``max_norm``): every example's L2 norm is at most ``max_norm``. Such
+  data is **refused**, not clipped; clip it first
+  (`kdp.pipeline.bound_clip_value`) or start the model with `DP_BoundedInput`
+  and leave ``max_norm`` out.
 
 Errors never quote values of the private data.
 """
+
+import math
 
 import keras
 import numpy as np
@@ -244,16 +248,22 @@ def _loss_name(loss):
 
 
 def input_bound_needed(model):
-    """True for a Clipless model whose bound pass starts from
-    ``DatasetMetadata.max_norm`` (no `DP_BoundedInput` caps its inputs)."""
-    from kdp.bounds import propagate
+    """True for a Clipless model whose gradient bounds depend on
+    ``DatasetMetadata.max_norm``: the bound pass starts from it (no layer caps
+    the inputs), or it tightens a capping layer's bound (``DP_BoundedInput``
+    above ``max_norm``). Then every example's norm must be at most ``max_norm``."""
+    from kdp.bounds import backpropagate
 
     if getattr(getattr(model, "dp_parameters", None), "clipping_norm", None) is not None:
         return False
+    bound = getattr(getattr(model, "dataset_metadata", None), "max_norm", None)
     try:
-        return propagate(model, None) is None
-    except TypeError:
+        capped = backpropagate(model, None, 1.0)[1]
+    except TypeError:  # None reached the arithmetic of a layer: nothing caps the inputs
         return True
+    stated = backpropagate(model, bound, 1.0)[1]
+    return any(not math.isclose(float(stated[path]), float(capped[path]), rel_tol=1e-12)
+               for path in capped)
 
 
 def _check_norms(model, leaves):
@@ -269,7 +279,8 @@ def _check_norms(model, leaves):
                 raise DataValidationError(
                     f"an example's L2 norm exceeds DatasetMetadata(max_norm={bound:g}), the input "
                     "bound the gradient bounds are computed from. Clip the data first "
-                    "(kdp.pipeline.bound_clip_value) or start the model with DP_BoundedInput.")
+                    "(kdp.pipeline.bound_clip_value), or start the model with DP_BoundedInput "
+                    "and leave max_norm out of DatasetMetadata.")
 
 
 def _row_blocks(array, elements=1 << 22):
