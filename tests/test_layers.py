@@ -40,6 +40,7 @@ def mlp_quick():
 def mlp_mixed():
     return [
         L.DP_BoundedInput((12,), upper_bound=2.0),
+        L.DP_BoxInput(-0.2, np.linspace(0.1, 0.8, 12)),
         L.DP_SpectralDense(16), L.DP_AddBias(0.5), L.DP_ReLU(), L.DP_LayerCentering(),
         L.DP_Residual([L.DP_QuickSpectralDense(16), L.DP_GroupSort(2)], merge="add"),
         *L.make_residuals("1-lip-add", [L.DP_SpectralDense(16), L.DP_AddBias(0.2), L.DP_GroupSort(4)]),
@@ -271,6 +272,59 @@ def test_negative_control_broken_layer_is_caught():
     assert worst > 1.5
 
 
+class _ShiftOnly(L.DP_BoxInput):
+    """Broken on purpose: moves the inputs by the box's centre without clamping them."""
+
+    def call(self, inputs):
+        return inputs - ops.cast((self._low + self._high) / 2.0, inputs.dtype)
+
+
+def _box_check(layer, low, high, rng):
+    """``(largest output norm / stated bound, the corners' norm / stated bound)``
+    over inputs inside, on the corners of, and far outside the box."""
+    d = len(high)
+    corners = np.where(rng.random((64, d)) < 0.5, low, high)
+    inside = low + (high - low) * rng.random((64, d))
+    outside = 10.0 * rng.normal(size=(64, d))
+    x = np.concatenate([inside, corners, outside]).astype("float32")
+    bound = layer.propagate_inputs(None)
+    return _norms(layer(x)).max() / bound, _norms(layer(corners.astype("float32"))).max() / bound
+
+
+def test_box_input_centres_and_its_bound_is_the_exact_half_diagonal(rng):
+    low, high = -0.5 * np.ones(6), np.array([0.1, 0.2, 0.5, 1.0, 2.0, 4.0])
+    layer = L.DP_BoxInput(low, high)
+    layer.build((None, 6))
+    half_diagonal = float(np.linalg.norm((high - low) / 2))
+    assert layer.propagate_inputs(None) == pytest.approx(half_diagonal, rel=1e-12)
+    assert layer.propagate_inputs(0.1) == pytest.approx(0.1 + np.linalg.norm((high + low) / 2))
+    assert layer.backpropagate_inputs(1.0, 0.7) == 0.7 and layer.backpropagate_params(1.0, 1.0) == {}
+    inside = (low + (high - low) * rng.random((5, 6))).astype("float32")
+    np.testing.assert_allclose(np.asarray(layer(inside)), inside - (low + high) / 2, atol=1e-6)
+    worst, corners = _box_check(layer, low, high, rng)
+    assert worst <= 1 + 1e-6 and corners == pytest.approx(1.0, abs=1e-6)  # sound and attained
+    # negative control: the same check catches a shift without the clamp
+    broken = _ShiftOnly(low, high)
+    broken.build((None, 6))
+    assert _box_check(broken, low, high, rng)[0] > 2.0
+
+
+@pytest.mark.parametrize("low,high,match", [
+    (1.0, 1.0, "low < high"),
+    (0.0, [1.0, -1.0], "low < high"),
+    (0.0, np.inf, "finite"),
+    ([0.0, 0.0], [1.0, 1.0, 1.0], "broadcast"),
+])
+def test_box_input_refuses_a_bad_box(low, high, match):
+    with pytest.raises(ValueError, match=match):
+        L.DP_BoxInput(low, high)
+
+
+def test_box_input_refuses_a_box_of_another_shape():
+    with pytest.raises(ValueError, match="does not fit"):
+        L.DP_BoxInput(0.0, [1.0, 2.0, 3.0]).build((None, 4))
+
+
 def test_clip_gradient_is_tight_and_sound():
     """The cotangent is clipped per example at ``clip_value``: far above the bound
     without the clip, exactly at it with."""
@@ -415,6 +469,7 @@ def test_initial_kernel_is_the_certified_projection_of_its_draw(name, make, shap
 
 SINGLE_LAYERS = [
     (lambda: L.DP_BoundedInput((5,), upper_bound=0.7), (5,)),
+    (lambda: L.DP_BoxInput([-1.0, 0.0, 0.0, 2.0, 0.5], 3.0), (5,)),
     (lambda: L.DP_SpectralDense(4, nm_coef=2.0), (5,)),
     (lambda: L.DP_QuickSpectralDense(6), (5,)),
     (lambda: L.DP_SpectralConv2D(3, 3, strides=2, padding="valid"), (6, 6, 2)),

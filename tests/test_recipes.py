@@ -48,14 +48,14 @@ def test_rules_follow_the_public_facts():
     assert recipes.recipe(target_epsilon=0.1, **clipping).epochs == 60
     assert recipes.recipe(target_epsilon=8.0, **clipping).clipping_norm == 0.1
     assert recipes.recipe((30,), 2, 400, 8.0, method="clipping", max_norm=5.0).clipping_norm == 1.0
-    small = recipes.recipe((30,), 2, 100, 3.0, max_norm=30 ** 0.5)
+    small = recipes.recipe((30,), 2, 100, 3.0, feature_range=(0, 1))
     assert small.method == "clipless" and small.outputs == 1  # one binary output: Clipless
-    three = recipes.recipe((13,), 3, 133, 3.0, max_norm=13 ** 0.5)
+    three = recipes.recipe((13,), 3, 133, 3.0, feature_range=(0, 1))
     assert (three.method, three.width, three.clipping_norm) == ("clipping", 0, 1.0)
     assert three.epochs == recipes.clipping_epochs(3.0) == 20
-    large = recipes.recipe((20,), 3, 37500, 8.0, max_norm=20 ** 0.5)  # a table's MLP: 60 epochs
+    large = recipes.recipe((20,), 3, 37500, 8.0, feature_range=(0, 1))  # a table's MLP: 60 epochs
     assert (large.method, large.width, large.epochs) == ("clipping", 64, 60)
-    assert recipes.recipe((20,), 2, 37500, 8.0, max_norm=20 ** 0.5).epochs == 30  # Clipless
+    assert recipes.recipe((20,), 2, 37500, 8.0, feature_range=(0, 1)).epochs == 30  # Clipless
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
         text = r.describe()
@@ -85,10 +85,10 @@ def test_a_one_dimensional_square_shape_warns_only_when_kind_is_not_given():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="table")
+        recipes.recipe((784,), 10, 4000, 3.0, max_norm=14.0, kind="table")
         recipes.recipe((784,), 10, 4000, 3.0, max_norm=28.0, kind="image")
         recipes.recipe((785,), 10, 4000, 3.0, max_norm=28.0)  # not a square
-        recipes.recipe((49,), 3, 400, 3.0, max_norm=7.0)  # too small for the image rule
+        recipes.recipe((49,), 3, 400, 3.0, max_norm=3.5)  # too small for the image rule
         recipes.recipe((64, 64), 10, 4000, 3.0)  # an image's grid: nothing to ask
     with pytest.warns(UserWarning, match="flattened 8x8 grey image"):
         recipes.recipe((64,), 10, 1437, 3.0, max_norm=8.0)
@@ -144,10 +144,13 @@ def _table(rows=256, d=6, seed=0):
     return x, y
 
 
-def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradient():
-    """The table recipe: no centring, radius max_norm, a bounded bias, one output.
-    Measured per-example gradient norms (kernel and bias) never exceed their bounds
-    and reach 90 % of them; negative control: half the bounds are exceeded."""
+@pytest.mark.parametrize("head", ["feature_range", "max_norm"])
+def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradient(head):
+    """The table recipe: no per-row centring, radius the centred box's half diagonal
+    (`DP_BoxInput` of ``feature_range``, or `DP_BoundedInput` of ``max_norm`` for
+    rows centred beforehand), a bounded bias, one output. Measured per-example
+    gradient norms (kernel and bias) never exceed their bounds and reach 90 % of
+    them; negative control: half the bounds are exceeded."""
     import numpy as np
 
     import kdp
@@ -155,12 +158,19 @@ def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradi
     from kdp.autodiff import per_example_gradients
 
     x, y = _table()
-    r = recipes.recipe((6,), 2, len(x), 3.0, method="clipless", max_norm=6 ** 0.5)
-    assert r.kind == "table" and r.outputs == 1 and r.input_bound == 6 ** 0.5
-    assert r.loss_clip == 1 / 50 and r.tau * r.input_bound == recipes.TAU_TIMES_BOUND_TABLE
+    facts = dict(method="clipless")
+    if head == "feature_range":
+        facts.update(feature_range=(0, 1))
+    else:
+        x, facts["max_norm"] = x - 0.5, 6 ** 0.5 / 2
+    r = recipes.recipe((6,), 2, len(x), 3.0, **facts)
+    assert r.kind == "table" and r.outputs == 1 and r.input_bound == pytest.approx(6 ** 0.5 / 2)
+    assert r.loss_clip == 1 / 50 and r.tau * r.input_bound == pytest.approx(
+        recipes.TAU_TIMES_BOUND_TABLE)
     model = r.build(seed=0)
     kinds = [type(layer) for layer in model.layers]
     assert L.DP_LayerCentering not in kinds and L.DP_AddBias in kinds
+    assert (L.DP_BoxInput in kinds) == (head == "feature_range") != (L.DP_BoundedInput in kinds)
     assert model.output_shape[-1] == 1
     bounds = kdp.compute_gradient_bounds(model)
     grads = per_example_gradients(model, model.loss, x[:64], y[:64])
@@ -174,12 +184,67 @@ def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradi
 
 
 @pytest.mark.parametrize("method", ["clipless", "clipping"])
+def test_a_declared_column_range_trains_the_same_model_as_rows_centred_beforehand(method):
+    """``feature_range=(0, 1)`` on raw rows in [0, 1] and ``max_norm = √d / 2`` on the
+    rows moved by ``-1/2`` give the same bounds, noise and sampling, hence the same
+    trained model (reproducible noise, one seed)."""
+    import numpy as np
+
+    import kdp
+
+    x, y = _table()
+    models = []
+    for data, facts in ((x, dict(feature_range=(0, 1))), (x - 0.5, dict(max_norm=6 ** 0.5 / 2))):
+        r = recipes.recipe((6,), 2, len(x), 3.0, method=method, **facts)
+        r.epochs = 2
+        model = r.build(seed=0, noise_seed=7)
+        model.fit(data, y, epochs=2, verbose=0)
+        models.append((model, data))
+    (boxed, raw), (centred, shifted) = models
+    if method == "clipless":
+        assert sorted(kdp.compute_gradient_bounds(boxed).values()) == pytest.approx(
+            sorted(kdp.compute_gradient_bounds(centred).values()))
+    np.testing.assert_allclose(boxed.predict(raw, verbose=0), centred.predict(shifted, verbose=0),
+                               atol=1e-4)
+    assert boxed.privacy_spent() == pytest.approx(centred.privacy_spent())
+
+
+def test_a_table_with_the_uncentred_bound_warns_and_a_bad_range_is_refused():
+    import warnings
+
+    with pytest.warns(UserWarning, match="feature_range=\\(0, 1\\)"):
+        recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = recipes.recipe((6,), 2, 400, 3.0, feature_range=(0, 1))
+        recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5 / 2)
+    assert (r.max_norm, r.input_bound) == pytest.approx((6 ** 0.5, 6 ** 0.5 / 2))
+    wide = recipes.recipe((2,), 2, 400, 3.0, feature_range=([-1, 0], [3, 1]))
+    assert wide.max_norm == pytest.approx(10 ** 0.5) and wide.input_bound == pytest.approx(
+        (4 + 0.25) ** 0.5)
+    # a max_norm below the box's: the bound of the centred rows is ||x|| + ||c|| (c = 0 here),
+    # and fit checks the rows against it (it is a claim the noise relies on)
+    tight = recipes.recipe((6,), 2, 400, 3.0, feature_range=(-1, 1), max_norm=0.5)
+    assert tight.input_bound == 0.5
+    x, y = _table(400)
+    with pytest.raises(ValueError, match="max_norm"):
+        tight.build(seed=0).fit(x, y, epochs=1, verbose=0)
+    for bad, match in [(dict(feature_range=(0, 1), kind="image", input_shape=(8, 8)), "tables"),
+                       (dict(feature_range=1.0), "pair"),
+                       (dict(feature_range=(1, 0)), "low < high"),
+                       (dict(feature_range=(0, [1, 1])), "does not fit")]:
+        with pytest.raises(ValueError, match=match):
+            recipes.recipe(**{**dict(input_shape=(6,), nb_classes=2, nb_samples=400,
+                                     target_epsilon=3.0), **bad})
+
+
+@pytest.mark.parametrize("method", ["clipless", "clipping"])
 def test_a_binary_table_trains_with_one_output_auroc_and_probabilities(method):
     """One output, AUROC in the logs, and predict_proba = the loss's link of the logits."""
     import numpy as np
 
     x, y = _table()
-    r = recipes.recipe((6,), 2, len(x), 8.0, method=method, max_norm=6 ** 0.5)
+    r = recipes.recipe((6,), 2, len(x), 8.0, method=method, feature_range=(0, 1))
     r.epochs = 2
     model = r.build(seed=0)
     history = model.fit(x, y, epochs=2, verbose=0)

@@ -9,7 +9,7 @@ from kdp.layers.constraints import BallProjection, OrthogonalProjection
 from kdp.layers.conv import DP_QuickSpectralConv2D, DP_SpectralConv2D
 from kdp.layers.dense import DP_QuickSpectralDense, DP_SpectralDense
 from kdp.layers.features import DP_ConcatFeatures
-from kdp.layers.input import DP_BoundedInput
+from kdp.layers.input import DP_BoundedInput, DP_BoxInput
 from kdp.layers.normalization import DP_GroupNormalization
 from kdp.layers.pooling import DP_ScaledGlobalL2NormPooling2D, DP_ScaledL2NormPooling2D
 from kdp.layers.residual import DP_Add, DP_Residual, make_residuals
@@ -18,7 +18,7 @@ from kdp.layers.shape import DP_Flatten, DP_Reshape
 
 __all__ = [
     "DPLayer", "DPNormNonIncreasingLayer", "DP_AddBias", "DP_Add", "DP_BoundedInput",
-    "DP_ClipGradient", "DP_ConcatFeatures", "DP_Flatten", "DP_GroupNormalization",
+    "DP_BoxInput", "DP_ClipGradient", "DP_ConcatFeatures", "DP_Flatten", "DP_GroupNormalization",
     "DP_GroupSort", "DP_LayerCentering", "DP_QuickSpectralConv2D", "DP_QuickSpectralDense",
     "DP_ReLU", "DP_Reshape", "DP_Residual", "DP_ScaledGlobalL2NormPooling2D", "DP_Scattering2D",
     "DP_ScaledL2NormPooling2D", "DP_SpectralConv2D", "DP_SpectralDense", "BallProjection",
