@@ -225,14 +225,17 @@ class Recipe:
         """The model's output width: 1 for two classes of a table, else ``nb_classes``."""
         return 1 if self.kind == "table" and self.nb_classes == 2 else self.nb_classes
 
-    def build(self, seed=None, on_features=False, noise_seed=None):
+    def build(self, seed=None, on_features=False, noise_seed=None, calibrate=False):
         """A compiled DP model, calibrated with ``make_private(target_epsilon, epochs)``
         (so ``target_epsilon`` is also its budget). ``seed`` seeds the
         initialisation only; the noise and the sampling use the OS entropy unless
         ``noise_seed`` (an int) asks for a reproducible run
         (``DPParameters(reproducible=True, seed=noise_seed)``).
         ``on_features=True``: the model without its fixed feature layers, to
-        train on `feature_extractor`'s outputs (its inputs' bound is theirs)."""
+        train on `feature_extractor`'s outputs (its inputs' bound is theirs).
+        ``calibrate=True`` (one binary output): reserve a private calibration of
+        its probabilities within the target (`kdp.calibration.reserve`, before
+        `make_private`); after `fit`, ``kdp.calibration.calibrate(model, x, y)``."""
         import keras
 
         from kdp.model import DP_Sequential, DPParameters
@@ -257,6 +260,12 @@ class Recipe:
                if self.ema_momentum is not None else {})
         model.compile(optimizer=keras.optimizers.Adam(self.learning_rate, **ema), loss=loss,
                       metrics=self._metrics())
+        if calibrate:
+            if self.outputs != 1:
+                raise ValueError("calibrate=True takes a two-class table (one output)")
+            from kdp.calibration import reserve
+
+            reserve(model, self.target_epsilon)
         model.make_private(target_epsilon=self.target_epsilon, epochs=self.epochs)
         return model
 

@@ -33,6 +33,7 @@ BUILDERS = {
     "08_dpcl.ipynb": ("build_08_dpcl.py", "CELLS"),
     "09_audit.ipynb": ("build_09_audit.py", "CELLS"),
     "10_data_from_disk.ipynb": ("build_10_data_from_disk.py", "CELLS"),
+    "11_tables.ipynb": ("build_11_tables.py", "CELLS"),
 }
 MAX_KB = 300  # execute_notebooks.py aims at < 200 KB: small figures, verbose=0/2 fits
 

@@ -17,7 +17,8 @@ def _softmax(z):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _sigmoid(z):
+def sigmoid(z):
+    """The logistic function of a NumPy array, without overflow."""
     return np.exp(-np.logaddexp(0.0, -z))
 
 
@@ -41,12 +42,12 @@ def output_probabilities(loss, outputs):
     if isinstance(loss, DP_TauCategoricalCrossentropy):
         return _softmax(loss.tau * z)
     if isinstance(loss, DP_TauBCE):
-        return _sigmoid(loss.tau * z)
+        return sigmoid(loss.tau * z)
     categorical = (keras.losses.CategoricalCrossentropy, keras.losses.SparseCategoricalCrossentropy)
     if isinstance(loss, categorical + (keras.losses.BinaryCrossentropy,)):
         if not loss.get_config().get("from_logits", False):
             return z
-        return _softmax(z) if isinstance(loss, categorical) else _sigmoid(z)
+        return _softmax(z) if isinstance(loss, categorical) else sigmoid(z)
     raise TypeError(
         f"{type(loss).__name__} is not a negative log-likelihood, so it defines no "
         "probability: train with a τ-cross-entropy (DP_TauCategoricalCrossentropy, "

@@ -124,7 +124,15 @@ def _releases(ledger):
         parts.append(f"a private hyper-parameter search: the best of a random number of trials "
                      f"(mean {e['event']['mean']:g}, {law}; Papernot and Steinke 2022), "
                      "each trial's training and score inside it")
-    others = ledger.releases("event") - sum(e["count"] for e in selections)
+    gaussians = Counter()
+    for e in ledger.entries:
+        if e["kind"] == "event" and e["event"]["class_name"] == "GaussianDpEvent":
+            gaussians[e["event"]["noise_multiplier"]] += e["count"]
+    for sigma, count in gaussians.items():
+        parts.append(f"{count} Gaussian release(s) without sampling (σ = {sigma:.4g}, e.g. a "
+                     "private calibration's counts)")
+    others = (ledger.releases("event") - sum(e["count"] for e in selections)
+              - sum(gaussians.values()))
     if others:
         parts.append(f"{others} other releases (dp-accounting events)")
     return "; ".join(parts) + f"; in {len(ledger.runs())} run(s), composed."
