@@ -1,7 +1,13 @@
 """Writes ``notebooks/10_data_from_disk.ipynb`` (without outputs): ``python notebooks/build_10_data_from_disk.py``;
 then ``python notebooks/execute_notebooks.py 10`` stores it with the outputs of a full run."""
 
+import os
+import sys
+
 import nbformat as nbf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's helpers
+from build_notebooks import STORED_OUTPUTS, setup_cell, write  # noqa: E402
 
 md = nbf.v4.new_markdown_cell
 code = nbf.v4.new_code_cell
@@ -22,14 +28,8 @@ only the records each step draws. This notebook
 4. shows a bad record refused before its step, with nothing charged;
 5. notes several processes and streams (`tf.data`).
 
-The stored outputs come from the full configuration on the TensorFlow backend
-(`python notebooks/execute_notebooks.py`). Set `KDP_NOTEBOOK_SMALL=1` for a fast,
-smaller run (what the tests do)."""),
-code("""import os
-SMALL = os.environ.get("KDP_NOTEBOOK_SMALL", "0") == "1"  # CI: a fast, small version
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tempfile
+""" + STORED_OUTPUTS),
+setup_cell("""import tempfile
 
 import keras
 import numpy as np
@@ -39,10 +39,7 @@ from sklearn.model_selection import train_test_split
 
 import kdp
 from kdp import layers as L, losses
-from kdp.training import DataValidationError
-
-keras.utils.set_random_seed(0)  # initialisation only: the DP noise draws from the OS
-print("backend:", keras.backend.backend(), "| small mode:", SMALL)"""),
+from kdp.training import DataValidationError"""),
 md("""## 1. Images on disk
 
 Each of the 1,797 digits (8×8, pixels 0..16) becomes one grayscale PNG in a
@@ -233,8 +230,6 @@ model.fit(dataset.shuffle(n).batch(b, drop_remainder=True), epochs=EPOCHS)   # d
 
 
 def main():
-    from build_notebooks import write  # this folder is the script's: on sys.path
-
     write("10_data_from_disk.ipynb", CELLS)
 
 

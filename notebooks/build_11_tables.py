@@ -1,7 +1,13 @@
 """Writes ``notebooks/11_tables.ipynb`` (without outputs): ``python notebooks/build_11_tables.py``;
 then ``python notebooks/execute_notebooks.py 11`` stores it with the outputs of a full run."""
 
+import os
+import sys
+
 import nbformat as nbf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's helpers
+from build_notebooks import STORED_OUTPUTS, setup_cell, write  # noqa: E402
 
 md = nbf.v4.new_markdown_cell
 code = nbf.v4.new_code_cell
@@ -28,14 +34,8 @@ norm bound derived from the declaration alone. This notebook
    why centring matters;
 8. writes what a model card needs: the schema and the privacy statement.
 
-The stored outputs come from the full configuration on the TensorFlow backend
-(`python notebooks/execute_notebooks.py`). Set `KDP_NOTEBOOK_SMALL=1` for a fast,
-smaller run (what the tests do)."""),
-code("""import os
-SMALL = os.environ.get("KDP_NOTEBOOK_SMALL", "0") == "1"  # CI: a fast, small version
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import json
+""" + STORED_OUTPUTS),
+setup_cell("""import json
 import time
 
 import keras
@@ -45,13 +45,10 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
 import kdp
-from kdp.tabular import Categorical, Numeric, TabularSchema
-
-keras.utils.set_random_seed(0)  # initialisation only: the DP noise draws from the OS
-T0 = time.time()
+from kdp.tabular import Categorical, Numeric, TabularSchema""", """T0 = time.time()
 ROWS = 2000 if SMALL else 8000
 SEEDS = 1 if SMALL else 3  # DP runs per configuration (the noise differs between runs)
-print("backend:", keras.backend.backend(), "| small mode:", SMALL)"""),
+"""),
 md("""## 1. The table
 
 One row per patient: age, systolic blood pressure, body-mass index, smoker
@@ -249,8 +246,6 @@ print(f"notebook ran in {time.time() - T0:.0f} s")"""),
 
 
 def main():
-    from build_notebooks import write  # this folder is the script's: on sys.path
-
     write("11_tables.ipynb", CELLS)
 
 

@@ -486,6 +486,25 @@ assert eps <= 2.0
 ]
 
 
+#: the last paragraph of the introduction of notebooks 10 and later
+STORED_OUTPUTS = """The stored outputs come from the full configuration on the TensorFlow backend
+(`python notebooks/execute_notebooks.py`). Set `KDP_NOTEBOOK_SMALL=1` for a fast,
+smaller run (what the tests do)."""
+
+
+def setup_cell(imports, constants=""):
+    """The first code cell of notebooks 10 and later: the small mode, ``imports``,
+    the initialisation seed, ``constants`` (lines), and the backend printed."""
+    return new_code_cell(f"""import os
+SMALL = os.environ.get("KDP_NOTEBOOK_SMALL", "0") == "1"  # CI: a fast, small version
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+{imports}
+
+keras.utils.set_random_seed(0)  # initialisation only: the DP noise draws from the OS
+{constants}print("backend:", keras.backend.backend(), "| small mode:", SMALL)""")
+
+
 def write(name, cells):
     nb = new_notebook(cells=cells)
     for i, cell in enumerate(nb.cells):
