@@ -294,6 +294,20 @@ def compute_gradient_bounds(model, loss=None, input_bound=None):
     return bounds
 
 
+def uses_input_bound(module, input_bound):
+    """True when a stated ``input_bound`` enters ``module``'s gradient bounds: no
+    layer caps the inputs (the bound pass needs it), or a capping layer's radius
+    is above it (`DP_BoundedInput` takes the smaller). Then every input's norm
+    must be checked against it: the noise is calibrated to it."""
+    try:
+        capped = backpropagate(module, None, 1.0)[1]
+    except TypeError:  # None reached the arithmetic of a layer: nothing caps the inputs
+        return True
+    stated = backpropagate(module, input_bound, 1.0)[1]
+    return any(not math.isclose(float(stated[path]), float(capped[path]), rel_tol=1e-12)
+               for path in capped)
+
+
 def _ensure_input_bound(model, input_bound):
     try:
         out = propagate(model, input_bound)

@@ -378,6 +378,27 @@ def test_clipless_refusals():
         clipless_pair_bound(plain, DP_InfoNCE(0.5, norm_floor=0.3), input_bound=1.0)
 
 
+def test_a_stated_input_bound_below_the_encoders_cap_is_checked():
+    """The encoder caps its inputs at X0 = 2; ``input_bound=0.5`` below it makes the
+    pair bound use 0.5, so pairs above 0.5 would break it: refused before any step
+    (they trained unchecked before). Negative control: the bound computed from 0.5
+    is far below the one the data needs."""
+    loss = DP_InfoNCE(0.5, norm_floor=0.3)
+    small, _ = clipless_pair_bound(_encoder(), loss, input_bound=0.5)
+    capped, _ = clipless_pair_bound(_encoder(), loss)
+    assert small < 0.5 * capped  # what the check protects
+    trainer = ContrastiveTrainer(_encoder(), loss, "clipless", batch_size=4, noise_multiplier=1.0,
+                                 delta=1e-3, input_bound=0.5)
+    x = np.random.default_rng(0).normal(size=(20, DIM)).astype("float32")  # norms ≈ 2.4
+    with pytest.raises(ValueError, match="input_bound=0.5"):
+        trainer.fit(x, x)
+    assert trainer.privacy_ledger.entries == []
+    inside = 0.4 * x / np.linalg.norm(x, axis=1, keepdims=True)
+    trainer.fit(inside, inside)  # rows within the stated bound train
+    ContrastiveTrainer(_encoder(), loss, "clipless", batch_size=4, noise_multiplier=1.0,
+                       delta=1e-3).fit(x, x)  # without input_bound the cap bounds the rows
+
+
 def test_batch_mixing_encoders_are_refused():
     bn = keras.Sequential([keras.layers.Dense(4), keras.layers.BatchNormalization()])
     bn.build((None, DIM))

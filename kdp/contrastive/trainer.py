@@ -72,11 +72,13 @@ from keras import ops
 
 from kdp import privacy
 from kdp.autodiff import compile_function
+from kdp.bounds import uses_input_bound
 from kdp.contrastive import _backend
 from kdp.contrastive.gradients import PairGradients, clipless_pair_bound
 from kdp.pipeline import PoissonBatches
 from kdp.training import seeds
 from kdp.training.gate import PrivacyGate
+from kdp.training.validation import check_input_norms
 from kdp.training.ledger import event_mechanism, training_mechanism
 
 STRATEGIES = ("logit-dp", "naive", "clipless", "non-private")
@@ -102,7 +104,8 @@ class ContrastiveTrainer:
         optimizer: a Keras optimizer (default Adam(1e-3)).
         sensitivity_size: ``"dataset"`` or ``"supremum"`` (see the module docstring).
         input_bound: input norm bound if the encoder has no `DP_BoundedInput`
-            (``"clipless"`` only).
+            (``"clipless"`` only); when it enters the bounds (no cap, or a cap
+            above it) `fit` refuses pairs whose norms exceed it.
         epsilon_max: a budget (RDP) over every release of this trainer: `fit`
             refuses to start if its steps would exceed it.
         reproducible, seed: fix the sampling and noise seeds (tests only; both
@@ -149,6 +152,7 @@ class ContrastiveTrainer:
                                         name=f"ContrastiveTrainer({strategy})")
         self.nb_pairs = None
         self.pair_bound = None
+        self.input_bound = None if input_bound is None else float(input_bound)
         if strategy == "clipless":
             self.pair_bound, self.pair_bounds = clipless_pair_bound(encoder, loss, input_bound)
         self._noise_seed = seeds.seed_generator(self.reproducible, self.seed)
@@ -248,6 +252,10 @@ class ContrastiveTrainer:
             raise ValueError(f"anchors {x.shape} and positives {xp.shape} must have the same shape")
         if not (np.all(np.isfinite(x)) and np.all(np.isfinite(xp))):
             raise ValueError("the training pairs contain NaN or infinite values")
+        if (self.strategy == "clipless" and self.input_bound is not None
+                and uses_input_bound(self.encoder, self.input_bound)):
+            check_input_norms([x, xp], self.input_bound, "input_bound={:g}",
+                              "or start the encoder with DP_BoundedInput and leave input_bound out")
         n = len(x)
         if self.nb_pairs is not None and n != self.nb_pairs:
             raise ValueError(f"this trainer was started on {self.nb_pairs} pairs, got {n}")

@@ -38,8 +38,6 @@ batch costs nothing. It checks
 Errors never quote values of the private data.
 """
 
-import math
-
 import keras
 import numpy as np
 
@@ -248,39 +246,37 @@ def _loss_name(loss):
 
 
 def input_bound_needed(model):
-    """True for a Clipless model whose gradient bounds depend on
-    ``DatasetMetadata.max_norm``: the bound pass starts from it (no layer caps
-    the inputs), or it tightens a capping layer's bound (``DP_BoundedInput``
-    above ``max_norm``). Then every example's norm must be at most ``max_norm``."""
-    from kdp.bounds import backpropagate
+    """True for a Clipless model whose gradient bounds use ``DatasetMetadata.max_norm``
+    (`kdp.bounds.uses_input_bound`): every example's norm must be at most it."""
+    from kdp.bounds import uses_input_bound
 
     if getattr(getattr(model, "dp_parameters", None), "clipping_norm", None) is not None:
         return False
-    bound = getattr(getattr(model, "dataset_metadata", None), "max_norm", None)
-    try:
-        capped = backpropagate(model, None, 1.0)[1]
-    except TypeError:  # None reached the arithmetic of a layer: nothing caps the inputs
-        return True
-    stated = backpropagate(model, bound, 1.0)[1]
-    return any(not math.isclose(float(stated[path]), float(capped[path]), rel_tol=1e-12)
-               for path in capped)
+    return uses_input_bound(model, getattr(getattr(model, "dataset_metadata", None), "max_norm", None))
 
 
 def _check_norms(model, leaves):
-    metadata = getattr(model, "dataset_metadata", None)
-    bound = getattr(metadata, "max_norm", None)
+    bound = getattr(getattr(model, "dataset_metadata", None), "max_norm", None)
     if bound is None or not input_bound_needed(model):
         return
+    check_input_norms(leaves, bound, "DatasetMetadata(max_norm={:g})",
+                      "or start the model with DP_BoundedInput and leave max_norm out of "
+                      "DatasetMetadata")
+
+
+def check_input_norms(leaves, bound, stated, remedy):
+    """Raise `DataValidationError` if an example of ``leaves`` (arrays of examples)
+    has an L2 norm above ``bound``; ``stated`` (formatted with the bound) names
+    where the bound was stated, ``remedy`` how else to train."""
     limit = (bound * (1 + TOLERANCE)) ** 2
     for leaf in leaves:
         for block in _row_blocks(leaf):  # float64 temporaries of one block, not of the data
             flat = block.reshape(len(block), -1).astype("float64")
             if flat.size and np.max(np.einsum("ij,ij->i", flat, flat)) > limit:
                 raise DataValidationError(
-                    f"an example's L2 norm exceeds DatasetMetadata(max_norm={bound:g}), the input "
-                    "bound the gradient bounds are computed from. Clip the data first "
-                    "(kdp.pipeline.bound_clip_value), or start the model with DP_BoundedInput "
-                    "and leave max_norm out of DatasetMetadata.")
+                    f"an example's L2 norm exceeds {stated.format(bound)}, the input bound the "
+                    f"gradient bounds are computed from. Clip the data first "
+                    f"(kdp.pipeline.bound_clip_value), {remedy}.")
 
 
 def _row_blocks(array, elements=1 << 22):
