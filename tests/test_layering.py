@@ -11,7 +11,7 @@ The layers, lowest first; a module may import its own layer and those below:
 3. `kdp.training`: the training core (ledger, gate, budget, `fit`'s session);
 4. what users train with: `kdp.model`, `kdp.pipeline` (its batches come from
    `kdp.training.sampling`), `kdp.callbacks`, `kdp.adaptive_clipping`,
-   `kdp.audit`, `kdp.certificates`;
+   `kdp.audit`, `kdp.certificates`, `kdp.calibration`;
 5. the methods: `kdp.contrastive`, `kdp.dpcl`, `kdp.adamix`, `kdp.helmet`,
    `kdp.tuning`, `kdp.recipes`;
 6. the public faces, which no module of kdp imports: `kdp.accounting`
@@ -39,7 +39,7 @@ LAYERS = (
      "kdp.layers", "kdp.bounds", "kdp.losses", "kdp.clipping"),
     ("kdp.training",),
     ("kdp.model", "kdp.pipeline", "kdp.callbacks", "kdp.adaptive_clipping", "kdp.audit",
-     "kdp.certificates"),
+     "kdp.certificates", "kdp.calibration"),
     ("kdp.contrastive", "kdp.dpcl", "kdp.adamix", "kdp.helmet", "kdp.tuning", "kdp.recipes"),
     ("kdp.accounting", "kdp.ledger", "kdp.cli", "kdp.__main__", "kdp"),
 )
