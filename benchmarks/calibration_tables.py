@@ -7,9 +7,9 @@ the table recipe (Clipless, one output) twice:
 
 * ``plain``: the recipe's model without calibration (σ for training alone);
   its probabilities are the loss's link ``sigmoid(τ·z)``;
-* ``calibrated``: the same recipe with `kdp.calibration.reserve` before
-  `make_private` (so training and the calibration's release together reach ε),
-  then `PrivateCalibration.fit` on the training rows.
+* ``calibrated``: the same recipe built with ``calibrate=True`` (the
+  calibration reserved before `make_private`, so training and its release
+  together reach ε), then `kdp.calibration.calibrate` on the training rows.
 
 and reports, on the test rows, the expected calibration error (ECE, 10 equal
 bins of predicted probability), the Brier score, accuracy at threshold 1/2 and
@@ -88,15 +88,11 @@ def run_one(name, eps, seed, calibrate):
 
     x, y, x_test, y_test, max_norm = load(name)
     r = recipe((x.shape[1],), 2, len(x), eps, max_norm=float(max_norm))
-    model = r.build(seed=seed)
-    calibrator = None
-    if calibrate:
-        calibrator = C.reserve(model, eps)
-        model.make_private(eps, r.epochs)  # σ for training plus the calibration's release
+    model = r.build(seed=seed, calibrate=calibrate)  # σ for training plus the calibration
     sigma = model.dp_parameters.noise_multiplier
     start = time.time()
     model.fit(x, y, epochs=r.epochs, verbose=0)
-    p = (calibrator.fit(model, x, y).predict_proba(model, x_test) if calibrate
+    p = (C.calibrate(model, x, y).predict_proba(model, x_test) if calibrate
          else model.predict_proba(x_test).ravel())
     spent = model.privacy_spent()[0]
     from sklearn.metrics import roc_auc_score

@@ -36,7 +36,7 @@ import warnings
 import dp_accounting
 import numpy as np
 
-from kdp.losses.probabilities import output_probabilities, sigmoid
+from kdp.losses.probabilities import link, sigmoid
 from kdp.training import budget
 from kdp.training.ledger import event_mechanism
 from kdp.training.seeds import numpy_generator
@@ -63,21 +63,18 @@ def scores(model, x, batch_size=None):
     τ-binary cross-entropy, ``z`` for Keras' binary cross-entropy from logits.
 
     Raises:
-        ValueError: the model has more than one output.
+        ValueError: the model has more than one output, or another link.
     """
+    name, scale = link(model.loss)
+    if name != "sigmoid":
+        raise ValueError("calibration takes a binary model with one output whose probability "
+                         "is sigmoid(τ·z) or sigmoid(z) (DP_TauBCE, or BinaryCrossentropy("
+                         f"from_logits=True)); its loss's link is {name}")
     outputs = np.asarray(model.predict(x, batch_size=batch_size, verbose=0), "float64")
     if outputs.ndim != 2 or outputs.shape[1] != 1:
-        raise ValueError(f"calibration takes a binary model with one output, got outputs of "
+        raise ValueError("calibration takes a binary model with one output, got outputs of "
                          f"shape {outputs.shape[1:]}")
-    p = output_probabilities(model.loss, outputs)[:, 0]
-    # The link is a sigmoid of a multiple of z: recover its argument without the
-    # saturation of p (sigmoid(τ·z) is 1.0 in float64 from τ·z ≈ 37).
-    scale = getattr(model.loss, "tau", 1.0)
-    s = scale * outputs[:, 0]
-    if not np.allclose(p, sigmoid(s), atol=1e-9):
-        raise ValueError("calibration takes a model whose probability is sigmoid(τ·z) or "
-                         "sigmoid(z) (DP_TauBCE, or BinaryCrossentropy(from_logits=True))")
-    return s
+    return scale * outputs[:, 0]  # not the logit of p: sigmoid(τ·z) is 1.0 in float64 from τ·z ≈ 37
 
 
 def _sensitivity(neighboring):

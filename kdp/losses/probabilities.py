@@ -22,6 +22,31 @@ def sigmoid(z):
     return np.exp(-np.logaddexp(0.0, -z))
 
 
+def link(loss):
+    """``(name, scale)`` of ``loss``'s link: ``("softmax", τ)``, ``("sigmoid", τ)``
+    (the scale is 1 for Keras' cross-entropies from logits) or ``("identity", 1)``
+    (Keras' cross-entropies on probabilities).
+
+    Raises:
+        TypeError: the loss is not a likelihood (no probability is defined).
+    """
+    from kdp.losses.supervised import DP_TauBCE, DP_TauCategoricalCrossentropy
+
+    if isinstance(loss, DP_TauCategoricalCrossentropy):
+        return "softmax", float(loss.tau)
+    if isinstance(loss, DP_TauBCE):
+        return "sigmoid", float(loss.tau)
+    categorical = (keras.losses.CategoricalCrossentropy, keras.losses.SparseCategoricalCrossentropy)
+    if isinstance(loss, categorical + (keras.losses.BinaryCrossentropy,)):
+        if not loss.get_config().get("from_logits", False):
+            return "identity", 1.0
+        return ("softmax" if isinstance(loss, categorical) else "sigmoid"), 1.0
+    raise TypeError(
+        f"{type(loss).__name__} is not a negative log-likelihood, so it defines no "
+        "probability: train with a τ-cross-entropy (DP_TauCategoricalCrossentropy, "
+        "DP_TauBCE) or a Keras cross-entropy to use predict_proba")
+
+
 def output_probabilities(loss, outputs):
     """``outputs`` (NumPy, the model's predictions) mapped to probabilities by ``loss``'s link.
 
@@ -36,19 +61,6 @@ def output_probabilities(loss, outputs):
     Raises:
         TypeError: the loss is not a likelihood (no probability is defined).
     """
-    from kdp.losses.supervised import DP_TauBCE, DP_TauCategoricalCrossentropy
-
-    z = np.asarray(outputs, "float64")
-    if isinstance(loss, DP_TauCategoricalCrossentropy):
-        return _softmax(loss.tau * z)
-    if isinstance(loss, DP_TauBCE):
-        return sigmoid(loss.tau * z)
-    categorical = (keras.losses.CategoricalCrossentropy, keras.losses.SparseCategoricalCrossentropy)
-    if isinstance(loss, categorical + (keras.losses.BinaryCrossentropy,)):
-        if not loss.get_config().get("from_logits", False):
-            return z
-        return _softmax(z) if isinstance(loss, categorical) else sigmoid(z)
-    raise TypeError(
-        f"{type(loss).__name__} is not a negative log-likelihood, so it defines no "
-        "probability: train with a τ-cross-entropy (DP_TauCategoricalCrossentropy, "
-        "DP_TauBCE) or a Keras cross-entropy to use predict_proba")
+    name, scale = link(loss)
+    z = scale * np.asarray(outputs, "float64")
+    return {"softmax": _softmax, "sigmoid": sigmoid, "identity": lambda v: v}[name](z)
