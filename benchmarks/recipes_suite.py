@@ -2,7 +2,7 @@
 
 Runs, at ε = 1, 3, 8 and seeds 0, 1, 2 (the seed fixes the initialisation; the
 noise comes from the OS entropy), on the datasets of `suite_data` (scikit-learn's
-digits, breast_cancer, wine, iris, five generated tables and seven generated
+digits, breast_cancer, wine, iris, seven generated tables and seven generated
 image sets of 8×8 to 28×28 pixels; nothing is downloaded):
 
 * ``clipless_tau32`` / ``clipless_tau128`` (tables): the Clipless recipe with
@@ -33,12 +33,18 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   ``clipping_long_if_hidden`` uses ``clipping_long`` there and ``clipping``
   elsewhere, and ``clipless_binary_else_clipping_long`` is the recipes'
   table rule;
-* ``<variant>_centred`` (tables): the same recipe on the columns centred at
+* ``<variant>_centred`` (tables): without the suffix, the recipe on the
+  columns in [0, 1] as they are (``max_norm = sqrt(d)``, ``feature_range=False``);
+  with it, the same recipe on the columns centred at
   their declared range's midpoint (``x - 1/2``, ``max_norm = sqrt(d) / 2``:
   `kdp.tabular.TabularSchema`'s default, ``centre=True``), with τ·X = 64, 128
   or 256 for Clipless; ``clipless[_tau64|_tau256]_binary_else_clipping_long_centred``
-  are the table rule on them (τ·X = 128 without a suffix; the recipes' rule
-  now: τ·X = 64);
+  are the table rule on them (τ·X = 128 without a suffix);
+* ``clipless_tau_by_rows_<T>k_centred``: τ·X = 64 below T thousand training
+  rows, 128 from there (T = 1, 2, 5, 10: `ROWS_THRESHOLDS`, fixed before
+  gen_4k_2c and gen_10k_4c were run), made of runs above, and
+  ``clipless_tau_by_rows_<T>k_binary_else_clipping_long_centred`` the table
+  rule with it (the recipes' rule now: T = 1);
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -86,6 +92,9 @@ EPSILONS = (1.0, 3.0, 8.0)
 #: ``clipping_long``: the epochs of a table's MLP at every ε (`kdp.recipes.TABLE_MLP_EPOCHS`;
 #: ``clipping`` keeps the ε rule of the other clipping models there, the recipes' former rule)
 CLIPPING_LONG_EPOCHS = 60
+#: the training-set sizes where a candidate rule moves a table's Clipless τ·X from 64 to 128
+#: (fixed in the sixth session with the two tables added to place it, before they were run)
+ROWS_THRESHOLDS = (1_000, 2_000, 5_000, 10_000)
 #: the variants a rule may pick from, per kind of data
 CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "clipless_tau_by_outputs",
                        "clipless_binary_else_clipping", "clipless_tau128_ema", "clipping_ema",
@@ -94,7 +103,10 @@ CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "cliple
                        "clipping_centred", "clipping_long_if_hidden_centred",
                        "clipless_binary_else_clipping_long_centred", "clipless_tau64_centred",
                        "clipless_tau256_centred", "clipless_tau64_binary_else_clipping_long_centred",
-                       "clipless_tau256_binary_else_clipping_long_centred"),
+                       "clipless_tau256_binary_else_clipping_long_centred",
+                       *(f"clipless_tau_by_rows_{t // 1000}k_centred" for t in ROWS_THRESHOLDS),
+                       *(f"clipless_tau_by_rows_{t // 1000}k_binary_else_clipping_long_centred"
+                         for t in ROWS_THRESHOLDS)),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
                         "scatter_from_16px_ema", "scatter_from_12px_ema",
@@ -110,6 +122,13 @@ def _hidden_layer_table(data):
     from kdp.recipes import CLIPLESS_HIDDEN_MIN_SAMPLES
 
     return data.kind == "table" and data.nb_train >= CLIPLESS_HIDDEN_MIN_SAMPLES
+
+
+def _at_least_rows(rows):
+    """The test "a table of at least ``rows`` training rows"."""
+    def holds(data):
+        return data.kind == "table" and data.nb_train >= rows
+    return holds
 
 
 def _at_least(side):
@@ -142,6 +161,12 @@ COMPOSITE = {"clipless_tau_by_outputs": (_one_binary_output, "clipless_tau128", 
                  _one_binary_output, "clipless_tau64_centred", "clipping_long_if_hidden_centred"),
              "clipless_tau256_binary_else_clipping_long_centred": (
                  _one_binary_output, "clipless_tau256_centred", "clipping_long_if_hidden_centred")}
+for _t in ROWS_THRESHOLDS:  # τ·X = 64 below _t training rows, 128 from there
+    COMPOSITE[f"clipless_tau_by_rows_{_t // 1000}k_centred"] = (
+        _at_least_rows(_t), "clipless_tau128_centred", "clipless_tau64_centred")
+    COMPOSITE[f"clipless_tau_by_rows_{_t // 1000}k_binary_else_clipping_long_centred"] = (
+        _one_binary_output, f"clipless_tau_by_rows_{_t // 1000}k_centred",
+        "clipping_long_if_hidden_centred")
 #: variants run only where their test holds (elsewhere the recipe is the plain variant's)
 ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hidden_layer_table}
 #: run, but no candidate by themselves (composite rules use ``clipping_long[_centred]``)
@@ -184,7 +209,7 @@ def _model(variant, data, eps, seed):
     variant = variant.removesuffix("_centred")
     r = recipes.recipe(data.input_shape, data.nb_classes, n, eps, method=method,
                        max_norm=suite_data.centred_max_norm(data) if centred else data.max_norm,
-                       kind=data.kind,
+                       kind=data.kind, feature_range=None if centred else False,
                        features=("scattering+pixels" if "_scatter_pixels" in variant
                                  else "scattering" if "_scatter" in variant else None))
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
@@ -355,7 +380,7 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_tau64_binary_else_clipping_long_centred",
+RULE_NOW = {"table": "clipless_tau_by_rows_1k_binary_else_clipping_long_centred",
             "image": "pixels_below_12px_ema"}
 
 

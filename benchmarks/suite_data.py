@@ -20,9 +20,12 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
 * gen_*: ``make_classification(n_features=20, n_informative=5, n_redundant=2)``
   (``gen_2k_10c``: ``n_informative=10``; ``gen_20k_5c``: 8, five classes
   40/25/15/12/8 %, added with the ``clipping_long`` variant as a second large
-  multi-class table), declared range ``[-5, 5]`` per feature (we generated the
+  multi-class table; ``gen_4k_2c``: two classes 75/25 %, and ``gen_10k_4c``:
+  6 informative, four classes 40/30/20/10 %, both added in the sixth session, before
+  they were run, so that the N of a Clipless rule is seen between 1,500 and 15,000
+  training rows), declared range ``[-5, 5]`` per feature (we generated the
   data: the range is a public design choice), clipped. The N in each name
-  (500, 5k, 50k, 2k, 20k) counts all rows *before* the split.
+  (500, 4k, 5k, 10k, 50k, 2k, 20k) counts all rows *before* the split.
 * glyph_digits, glyph_letters: generated 28x28 grey images of handwriting-like
   characters (`render_glyphs`): the ten digits (5,400 rows) or the 26 lowercase
   letters (8,000 rows), each drawn in one of the 21 faces of the fonts that
@@ -304,6 +307,9 @@ DATASETS = {
                                      random_state=2_000),
     "gen_20k_5c": lambda: _generated("gen_20k_5c", 20_000, 5, [0.4, 0.25, 0.15, 0.12, 0.08],
                                      n_informative=8, random_state=20_000),
+    "gen_4k_2c": lambda: _generated("gen_4k_2c", 4_000, 2, [0.75, 0.25], random_state=4_000),
+    "gen_10k_4c": lambda: _generated("gen_10k_4c", 10_000, 4, [0.4, 0.3, 0.2, 0.1],
+                                     n_informative=6, random_state=10_000),
 }
 
 #: the datasets with at most a few thousand rows (the cheap ones)

@@ -24,7 +24,7 @@ The rules and their sources:
   proposed after gen_50k_3c (whose MLP at 20 epochs reached 0.804 / 0.808 at
   ε = 3 / 8, below its own 0.818 at ε = 1 with 50) and then confirmed on a
   second large table added for it, gen_20k_5c (0.677 / 0.687 → 0.740 /
-  0.772); every leave-one-dataset-out fold of the eight tables chose it
+  0.772); every leave-one-dataset-out fold of the suite's tables chose it
   (``benchmarks/recipes_suite.py``). Clipless: 30.
 * **optimizer**: Adam (Ponomareva et al. §5.4.2: adaptive optimisers are robust
   to the noise scale), learning rate 0.01.
@@ -97,31 +97,36 @@ The rules and their sources:
   row is shrunk: each column is centred on its own public range, either by
   the model (``feature_range=(low, high)``: `DP_BoxInput` clamps each row to
   the box and moves it by the box's centre; the bound ``X`` is the box's half
-  diagonal) or beforehand (``max_norm``, e.g. `kdp.tabular.TabularSchema.max_norm`,
-  then ``DP_BoundedInput(max_norm)``); then one `DP_QuickSpectralDense` layer and a
+  diagonal; ``max_norm = √d`` alone is read as ``feature_range=(0, 1)``, and
+  rows outside that box are refused) or beforehand (``max_norm``, e.g.
+  `kdp.tabular.TabularSchema.max_norm`, then ``DP_BoundedInput(max_norm)``);
+  then one `DP_QuickSpectralDense` layer and a
   bias `DP_AddBias(X)` (logistic regression with Lipschitz weights);
   per-example clipping builds the plain logistic regression
   ``Dense(outputs)``. Two classes use **one** output (τ-binary cross-entropy,
   ``L = 1``, or Keras' binary cross-entropy) and the model tracks AUROC. A
   hidden layer is added from N = 10 000 as for images. The rules assume the
   columns centred at their declared range's midpoint (`kdp.tabular`'s default:
-  a public offset that about halves ``max_norm``); on the suite's eight tables
-  that raised the table rule's mean accuracy / AUROC from 0.748 / 0.874 to
-  0.800 / 0.902, and every leave-one-dataset-out fold chose it. τ·X = 64
-  (images: 32): on the centred tables, τ·X = 64, 128 and 256 score 0.800 /
-  0.902, 0.800 / 0.902 and 0.797 / 0.897 in the table rule (64 ahead by
-  0.0013 in mean accuracy + AUROC, chosen by seven of the eight folds; 128 was
-  the rule on uncentred columns).
+  a public offset that about halves ``max_norm``); on the suite's ten tables
+  the table rule's mean accuracy / AUROC is 0.784 / 0.886 centred and 0.737 /
+  0.853 uncentred, and every leave-one-dataset-out fold chose centring.
+  τ·X = 64 (images: 32), and 128 for one binary output from N = 1 000 training
+  rows: in the table rule, 64 everywhere scores 0.782 / 0.884, 128 everywhere
+  0.782 / 0.885, 256 0.780 / 0.881, and the size rule 0.784 / 0.886, chosen by
+  all ten folds among thresholds of 1 000, 2 000, 5 000 and 10 000 rows (the
+  binary tables have 375, 426, 3 000 and 3 750: the switch lies somewhere
+  between 426 and 3 000, and 1 000 is the first threshold there; it moves
+  gen_5k_imb from 0.919 to 0.935 at ε = 3).
 * ``method="auto"``: per-example clipping on scattering features and for
   tables of more than two classes, Clipless otherwise (images without
   features, one binary output). On digits' pixels Clipless is as accurate as
   per-example clipping at ε = 1 and 3 (0.881 / 0.935 against 0.880 / 0.931, 3
-  seeds) and computes no per-example gradient. On the suite's eight tables
+  seeds) and computes no per-example gradient. On the suite's ten tables
   (centred), "Clipless for one binary output, clipping otherwise (a logistic
   regression, C = 1; from N = 10 000 an MLP trained 60 epochs)" was chosen by
-  all eight leave-one-dataset-out folds among the candidate rules and is the
-  best on average (accuracy 0.800, AUROC 0.902; clipping alone 0.784 / 0.898,
-  Clipless alone 0.761 / 0.875; uncentred, the same rule 0.748 / 0.874). On
+  all ten leave-one-dataset-out folds among the candidate rules and is the
+  best on average (accuracy 0.784, AUROC 0.886; clipping alone 0.772 / 0.876,
+  Clipless alone 0.755 / 0.862; uncentred, the same rule 0.737 / 0.853). On
   the seven generated image sets (8×8 to 28×28
   pixels), the linear model on the recipe's features with per-example
   clipping (and the moving average) is ahead of Clipless on pixels on each,
@@ -134,7 +139,7 @@ binary one).
 
 The image rules were chosen leave-one-dataset-out on eight image sets
 (scikit-learn's digits and seven generated sets of 8×8 to 28×28 pixels), the
-table rules on eight tables (``benchmarks/recipes_suite.py``, whose tables the
+table rules on ten tables (``benchmarks/recipes_suite.py``, whose tables the
 README shows, with where the rules lose): a starting point, not a guarantee
 of accuracy.
 """
@@ -153,6 +158,9 @@ INPUT_BOUND_FRACTION = 8.0
 TAU_TIMES_BOUND = 32.0
 #: Clipless, tables: τ · input_bound
 TAU_TIMES_BOUND_TABLE = 64.0
+#: Clipless, one binary output: τ · input_bound from `BINARY_TAU_MIN_SAMPLES` training rows
+TAU_TIMES_BOUND_BINARY_LARGE = 128.0
+BINARY_TAU_MIN_SAMPLES = 1_000
 #: the scales and angles of the scattering features (``features="scattering"``)
 SCATTERING_J, SCATTERING_L = 2, 8
 #: ``features="auto"``: scattering features for images at least this many pixels a side
@@ -180,7 +188,8 @@ class Recipe:
     ``nb_samples``, ``target_epsilon``, ``delta``, ``batch_size``, ``epochs``, ``learning_rate``,
     ``width``, ``clipping_norm`` (clipping), ``tau``, ``loss_clip`` and
     ``input_bound`` (Clipless), ``max_norm`` (the bound of a raw input),
-    ``feature_range`` (a table's declared column box, or None), ``ema_momentum``
+    ``feature_range`` (a table's column box, or None), ``feature_range_assumed``
+    (True when the box was read from ``max_norm = √d``), ``ema_momentum``
     (the moving average of the weights, or None), and ``rules`` (name -> the rule
     that set it).
     """
@@ -278,10 +287,12 @@ class Recipe:
         return ["accuracy"]
 
     def _box(self):
-        """`DP_BoxInput` of the declared ``feature_range`` first, or nothing."""
+        """`DP_BoxInput` of the ``feature_range`` first (refusing rows outside an
+        assumed one), or nothing."""
         from kdp.layers import DP_BoxInput
 
-        return [] if self.feature_range is None else [DP_BoxInput(*self.feature_range)]
+        return [] if self.feature_range is None else [
+            DP_BoxInput(*self.feature_range, refuse_outside=self.feature_range_assumed)]
 
     def _clipping_layers(self, inputs):
         import keras
@@ -378,6 +389,12 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
             centred box's half diagonal (``√d / 2`` for ``d`` columns in
             [0, 1]); ``max_norm``, if given too, bounds the raw rows. Leave it
             out for rows centred beforehand (`kdp.tabular.TabularSchema` does).
+            Left out with ``max_norm = √d`` (``d`` columns), the recipe reads
+            the rows as columns in [0, 1] and assumes ``(0, 1)`` (it warns):
+            the model centres them, and `fit` refuses a row with a value
+            outside [0, 1] (nothing spent) instead of clamping it
+            (``DP_BoxInput(refuse_outside=True)``). ``False``: no box, the
+            rows as they are, bounded by ``max_norm`` alone.
 
     Returns:
         A `Recipe`; ``recipe(...).build()`` gives the calibrated, compiled model
@@ -419,6 +436,18 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         side = min(grid[:2]) if grid else 0
         features = (None if side < SCATTERING_MIN_SIDE
                     else "scattering+pixels" if side < PIXELS_MAX_SIDE else "scattering")
+    assumed = (feature_range is None and kind == "table" and max_norm is not None
+               and math.isclose(max_norm, math.sqrt(math.prod(input_shape))))
+    if assumed:
+        warnings.warn(
+            f"recipe: max_norm = sqrt(d) = {max_norm:.4g} is read as columns in [0, 1]: the "
+            "model centres them (DP_BoxInput) and fit refuses a row with a value outside "
+            "[0, 1]. Pass feature_range=(low, high) to declare the columns' range, or "
+            "feature_range=False to keep the rows uncentred (on the suite's tables the mean "
+            "accuracy fell from 0.784 to 0.737 uncentred).", stacklevel=2)
+        feature_range = (0.0, 1.0)
+    elif feature_range is False:
+        feature_range = None
     if feature_range is not None:
         if kind != "table":
             raise ValueError("feature_range is for tables (images are centred per example)")
@@ -430,12 +459,6 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                          "(kdp.tabular.TabularSchema.max_norm; sqrt(d) / 2 for d columns in "
                          "[0, 1] centred by -1/2), or feature_range=(low, high), the columns' "
                          "public range, which the model centres itself")
-    elif kind == "table" and math.isclose(max_norm, math.sqrt(math.prod(input_shape))):
-        warnings.warn(
-            f"recipe: max_norm = sqrt(d) = {max_norm:.4g} reads as uncentred columns in [0, 1]; "
-            "the rules assume centred columns (on the suite's tables the mean accuracy fell "
-            "from 0.800 to 0.748 without). Pass feature_range=(0, 1) instead of max_norm, "
-            "and the model centres the rows itself.", stacklevel=2)
 
     batch_size = _power_of_two(8 * math.sqrt(n), 32, min(MAX_BATCH_SIZE, n // 4))
     if method == "auto":
@@ -451,11 +474,14 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                   nb_classes=classes,
                   nb_samples=n, target_epsilon=float(target_epsilon), delta=float(delta),
                   batch_size=batch_size, epochs=epochs, max_norm=max_norm,
-                  feature_range=None if feature_range is None else (box.low, box.high))
+                  feature_range=None if feature_range is None else (box.low, box.high),
+                  feature_range_assumed=assumed)
     rules = {
         "method": "as asked; auto: per-example clipping on scattering features and for tables "
                   "of more than two classes, else Clipless",
         "kind": "as given, or table for a 1-D input shape, else image",
+        "feature_range": "as given; for a table with max_norm = sqrt(d) and none given, "
+                         "(0, 1) assumed (training rows outside it are refused); False: none",
         "features": "as given; auto: a scattering transform (J = 2, 8 angles) and a per-channel "
                     "normalisation for images of at least 8 x 8 pixels, with the standardised "
                     "pixels next to them below 12 x 12; else none",
@@ -493,15 +519,14 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         loss_bound = 1.0 if binary else math.sqrt(2.0)
         values.update(width=0 if n < CLIPLESS_HIDDEN_MIN_SAMPLES or features else wide,
                       learning_rate=1e-2, epochs=30, input_bound=input_bound,
-                      tau=(TAU_TIMES_BOUND_TABLE if kind == "table" else TAU_TIMES_BOUND)
-                      / input_bound,
+                      tau=_tau_times_bound(kind, binary, n) / input_bound,
                       loss_clip=loss_bound / 50)
         rules.update(width="0 (a linear Lipschitz model) below N = 10000 and on scattering "
                            "features, else the power of two nearest 4 d in [64, 512], no bias",
                      learning_rate="Adam 0.01", epochs="Clipless: 30",
                      input_bound=bound_rule,
                      tau="32 / input_bound (tau times the logits' scale = 32); tables: "
-                         "64 / input_bound",
+                         "64 / input_bound, one binary output from N = 1000: 128 / input_bound",
                      loss_clip="L/50 (L = sqrt(2), or 1 for one binary output): every "
                                "example's logit gradient clipped to the same small norm")
     steps = values["epochs"] * n / batch_size
@@ -517,6 +542,16 @@ def clipping_epochs(target_epsilon):
     """The epochs of per-example clipping (but a table's MLP): 20, and
     ``20 · 2.5/ε`` (at most 60) below ε = 2.5."""
     return int(round(min(60, 20 * max(1.0, 2.5 / target_epsilon))))
+
+
+def _tau_times_bound(kind, binary, n):
+    """τ · input_bound of a Clipless recipe: `TAU_TIMES_BOUND` for images,
+    `TAU_TIMES_BOUND_TABLE` for tables, `TAU_TIMES_BOUND_BINARY_LARGE` for one
+    binary output from `BINARY_TAU_MIN_SAMPLES` training rows."""
+    if kind != "table":
+        return TAU_TIMES_BOUND
+    return (TAU_TIMES_BOUND_BINARY_LARGE if binary and n >= BINARY_TAU_MIN_SAMPLES
+            else TAU_TIMES_BOUND_TABLE)
 
 
 def _box_input(feature_range, input_shape):

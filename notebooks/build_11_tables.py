@@ -204,7 +204,9 @@ box's centre, and the noise is calibrated to the centred box's half diagonal
 knows that one level is on). Without it the rows stay uncentred: every row's
 gradient is dominated by the direction the rows share, and the noise is
 calibrated to a larger bound. (A table of `d` numeric columns passed with
-`max_norm = √d` alone warns, since it reads as uncentred [0, 1] columns.)"""),
+`max_norm = √d` alone is read as `feature_range=(0, 1)`: the recipe warns, and
+`fit` refuses a row with a value outside [0, 1]; `feature_range=False` keeps
+such rows uncentred.)"""),
 code("""raw = TabularSchema.from_config({**schema.get_config(), "centre": False})
 x_raw, x_raw_test = raw.transform(train), raw.transform(test)
 d = raw.input_shape[0]

@@ -8,6 +8,23 @@ from kdp import recipes
 from kdp.training import budget
 
 
+def test_table_tau_grows_with_rows_for_one_binary_output():
+    """τ·X: 64 for tables, 128 for one binary output from BINARY_TAU_MIN_SAMPLES rows
+    (the size rule the recipe suite's folds chose); images keep 32."""
+    def tau_x(classes, n, **facts):
+        r = recipes.recipe((6,), classes, n, 3.0, max_norm=1.0, method="clipless", **facts)
+        return r.tau * r.input_bound
+
+    large = recipes.BINARY_TAU_MIN_SAMPLES
+    assert tau_x(2, large - 1) == recipes.TAU_TIMES_BOUND_TABLE
+    assert tau_x(2, large) == recipes.TAU_TIMES_BOUND_BINARY_LARGE
+    assert recipes.TAU_TIMES_BOUND_BINARY_LARGE > recipes.TAU_TIMES_BOUND_TABLE
+    assert tau_x(3, 10 * large) == recipes.TAU_TIMES_BOUND_TABLE  # more classes: no size rule
+    image = recipes.recipe((8, 8), 2, 10 * large, 3.0, features=None, method="clipless")
+    assert image.tau * image.input_bound == recipes.TAU_TIMES_BOUND
+    assert "128 / input_bound" in recipes.recipe((6,), 2, large, 3.0, max_norm=1.0).rules["tau"]
+
+
 def test_rules_follow_the_public_facts():
     digits = recipes.recipe((8, 8), 10, 1437, 3.0, features=None)
     assert digits.batch_size == 256 and digits.delta == 1e-5 and digits.method == "clipless"
@@ -187,20 +204,27 @@ def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradi
 def test_a_declared_column_range_trains_the_same_model_as_rows_centred_beforehand(method):
     """``feature_range=(0, 1)`` on raw rows in [0, 1] and ``max_norm = √d / 2`` on the
     rows moved by ``-1/2`` give the same bounds, noise and sampling, hence the same
-    trained model (reproducible noise, one seed)."""
+    trained model (reproducible noise, one seed); so does ``max_norm = √d`` alone,
+    read as ``feature_range=(0, 1)``."""
+    import warnings
+
     import numpy as np
 
     import kdp
 
     x, y = _table()
     models = []
-    for data, facts in ((x, dict(feature_range=(0, 1))), (x - 0.5, dict(max_norm=6 ** 0.5 / 2))):
-        r = recipes.recipe((6,), 2, len(x), 3.0, method=method, **facts)
+    for data, facts in ((x, dict(feature_range=(0, 1))), (x - 0.5, dict(max_norm=6 ** 0.5 / 2)),
+                        (x, dict(max_norm=6 ** 0.5))):  # the last: (0, 1) assumed, with a warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = recipes.recipe((6,), 2, len(x), 3.0, method=method, **facts)
         r.epochs = 2
         model = r.build(seed=0, noise_seed=7)
         model.fit(data, y, epochs=2, verbose=0)
         models.append((model, data))
-    (boxed, raw), (centred, shifted) = models
+    (boxed, raw), (centred, shifted), (assumed, _) = models
+    np.testing.assert_array_equal(assumed.predict(raw, verbose=0), boxed.predict(raw, verbose=0))
     if method == "clipless":
         assert sorted(kdp.compute_gradient_bounds(boxed).values()) == pytest.approx(
             sorted(kdp.compute_gradient_bounds(centred).values()))
@@ -209,16 +233,21 @@ def test_a_declared_column_range_trains_the_same_model_as_rows_centred_beforehan
     assert boxed.privacy_spent() == pytest.approx(centred.privacy_spent())
 
 
-def test_a_table_with_the_uncentred_bound_warns_and_a_bad_range_is_refused():
+def test_a_table_with_the_uncentred_bound_assumes_unit_columns_and_a_bad_range_is_refused():
     import warnings
 
-    with pytest.warns(UserWarning, match="feature_range=\\(0, 1\\)"):
-        recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5)
+    with pytest.warns(UserWarning, match="read as columns in \\[0, 1\\]"):
+        assumed = recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r = recipes.recipe((6,), 2, 400, 3.0, feature_range=(0, 1))
         recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5 / 2)
+        uncentred = recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5, feature_range=False)
     assert (r.max_norm, r.input_bound) == pytest.approx((6 ** 0.5, 6 ** 0.5 / 2))
+    assert (assumed.feature_range, assumed.feature_range_assumed) == ((0.0, 1.0), True)
+    assert (assumed.max_norm, assumed.input_bound) == pytest.approx((6 ** 0.5, 6 ** 0.5 / 2))
+    assert not r.feature_range_assumed
+    assert uncentred.feature_range is None and uncentred.input_bound == pytest.approx(6 ** 0.5)
     wide = recipes.recipe((2,), 2, 400, 3.0, feature_range=([-1, 0], [3, 1]))
     assert wide.max_norm == pytest.approx(10 ** 0.5) and wide.input_bound == pytest.approx(
         (4 + 0.25) ** 0.5)
@@ -309,6 +338,38 @@ def test_overwriting_the_weights_with_their_average_during_training_is_refused()
     with pytest.raises(BoundError, match="ema_overwrite_frequency"):
         model.fit(x, np.zeros(1437, "int64"), epochs=1, verbose=0)
     assert model.privacy_ledger.training_steps() == 0
+
+
+@pytest.mark.parametrize("path", ["fit", "train_on_batch", "saved"])
+def test_rows_outside_an_assumed_box_are_refused_before_anything_is_spent(path, tmp_path):
+    """``max_norm = √d`` alone assumes columns in [0, 1]: rows outside are refused
+    (not clamped) on every training path, also after saving; a declared
+    ``feature_range=(0, 1)`` clamps the same rows (the negative control)."""
+    import warnings
+
+    import keras
+    import numpy as np
+
+    from kdp.training.validation import DataValidationError
+
+    x, y = _table()
+    outside = x - 0.5  # centred by hand: values in [-0.5, 0.5], norms inside sqrt(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = recipes.recipe((6,), 2, len(x), 3.0, max_norm=6 ** 0.5).build(seed=0)
+    if path == "saved":
+        model.save(str(tmp_path / "assumed.keras"))
+        model = keras.models.load_model(str(tmp_path / "assumed.keras"))
+    train = ((lambda: model.train_on_batch(outside[:32], y[:32])) if path == "train_on_batch"
+             else (lambda: model.fit(outside, y, epochs=1, verbose=0)))
+    with pytest.raises(DataValidationError, match="outside \\[0, 1\\].*feature_range"):
+        train()
+    assert model.privacy_ledger.training_steps() == 0
+    declared = recipes.recipe((6,), 2, len(x), 3.0, feature_range=(0, 1)).build(seed=0)
+    declared.fit(outside, y, epochs=1, verbose=0)
+    assert declared.privacy_ledger.training_steps() > 0
+    model.fit(x, y, epochs=1, verbose=0)  # the rows inside the box train
+    assert model.privacy_ledger.training_steps() > 0
 
 
 def test_a_table_model_with_a_declared_range_saves_and_loads(tmp_path):

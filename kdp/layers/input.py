@@ -74,11 +74,18 @@ class DP_BoxInput(DPLayer, keras.layers.Layer):
     Args:
         low, high: the box's bounds, scalars or one value per input coordinate
             (broadcast to the example's shape), ``low < high`` everywhere.
+        refuse_outside: ``False`` (default): a value outside the box is clamped
+            (a declared range, like a clip). ``True``: the box is an assumption
+            to check, and training data with a value outside it is refused by
+            `kdp.training.validation` before anything is spent (`kdp.recipes`
+            sets it when it reads ``max_norm = √d`` as columns in [0, 1]); the
+            layer still clamps at prediction time.
         input_shape: the shape of one example (lets it start a `DP_Sequential`).
     """
 
-    def __init__(self, low=0.0, high=1.0, input_shape=None, **kwargs):
+    def __init__(self, low=0.0, high=1.0, refuse_outside=False, input_shape=None, **kwargs):
         super().__init__(**kwargs)
+        self.refuse_outside = bool(refuse_outside)
         self.example_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self._input_shape_arg = self.example_shape
         low_array, high_array = (np.asarray(v, dtype="float64") for v in (low, high))
@@ -126,4 +133,4 @@ class DP_BoxInput(DPLayer, keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "low": self.low, "high": self.high,
-                "input_shape": self.example_shape}
+                "refuse_outside": self.refuse_outside, "input_shape": self.example_shape}

@@ -33,7 +33,11 @@ batch costs nothing. It checks
   above ``max_norm``): every example's L2 norm is at most ``max_norm``. Such
   data is **refused**, not clipped; clip it first
   (`kdp.pipeline.bound_clip_value`) or start the model with `DP_BoundedInput`
-  and leave ``max_norm`` out.
+  and leave ``max_norm`` out;
+* input values, for a model that starts with ``DP_BoxInput(refuse_outside=True)``
+  (a box assumed, not declared: `kdp.recipes` reads ``max_norm = √d`` as
+  columns in [0, 1]): every value inside the box. A row outside is refused
+  rather than silently clamped.
 
 Errors never quote values of the private data.
 """
@@ -95,6 +99,7 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
     weights = _weights(y, rows, sample_weight, class_weight)
     _check_labels(model, y)
     _check_norms(model, leaves)
+    _check_box(model, leaves)
     return x, y, weights
 
 
@@ -262,6 +267,29 @@ def _check_norms(model, leaves):
     check_input_norms(leaves, bound, "DatasetMetadata(max_norm={:g})",
                       "or start the model with DP_BoundedInput and leave max_norm out of "
                       "DatasetMetadata")
+
+
+def _check_box(model, leaves):
+    """Refuse values outside the box of a first ``DP_BoxInput(refuse_outside=True)``."""
+    from kdp.layers import DP_BoxInput
+
+    first = next((layer for layer in getattr(model, "layers", ())
+                  if not isinstance(layer, keras.layers.InputLayer)), None)
+    if not (isinstance(first, DP_BoxInput) and first.refuse_outside) or len(leaves) != 1:
+        return
+    low, high = (np.broadcast_to(np.asarray(v, "float64"), leaves[0].shape[1:])
+                 for v in (first.low, first.high))
+    slack = TOLERANCE * (high - low)
+    for block in _row_blocks(leaves[0]):
+        if np.any(block < low - slack) or np.any(block > high + slack):
+            box = (f"[{first.low:g}, {first.high:g}]" if np.ndim(first.low) == np.ndim(first.high) == 0
+                   else "its box")
+            raise DataValidationError(
+                f"a value lies outside {box}, the box the model's first layer "
+                "DP_BoxInput(refuse_outside=True) assumes (kdp.recipes reads max_norm = sqrt(d) "
+                "as columns in [0, 1]). Declare the columns' public range with "
+                "recipe(feature_range=(low, high)), or pass feature_range=False to train on the "
+                "rows as they are, bounded by max_norm alone. Nothing was spent.")
 
 
 def check_input_norms(leaves, bound, stated, remedy):
