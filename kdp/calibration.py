@@ -117,6 +117,9 @@ class PrivateCalibration:
         centres: the bins' centres on the score (the outer bins: half a width out).
     """
 
+    #: a reserved calibration is saved with the model's weights (`kdp.training.saving`)
+    saved_with_model = True
+
     def __init__(self, noise_multiplier, edges=DEFAULT_EDGES):
         if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier}")

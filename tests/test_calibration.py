@@ -192,3 +192,40 @@ def test_a_recipe_reserves_the_calibration_within_its_target():
     assert p.shape == (10,) and np.all((p > 0) & (p < 1))
     with pytest.raises(ValueError, match="two-class"):
         recipes.recipe((6,), 3, len(x), 3.0, feature_range=(0, 1)).build(calibrate=True)
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_reserved_calibration_survives_saving_and_loading(tmp_path, monkeypatch, saved):
+    """A model saved between `fit` and `calibrate` keeps its reservation: the
+    reloaded model calibrates within its target, as the original would have.
+    Negative control (``saved=False``: plans not saved with the weights): the
+    reloaded model has no reservation."""
+    import keras
+
+    from kdp import recipes
+    from kdp.training import budget
+
+    if not saved:
+        monkeypatch.setattr(C.PrivateCalibration, "saved_with_model", False)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(1000, 6)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0.8).astype("int32")
+    r = recipes.recipe((6,), 2, len(x), 3.0, feature_range=(0, 1))
+    r.epochs = 1
+    model = r.build(seed=0, calibrate=True)
+    model.fit(x, y, epochs=r.epochs, verbose=0)
+    path = str(tmp_path / "reserved.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    if not saved:
+        with pytest.raises(ValueError, match="no reserved calibration"):
+            C.calibrate(loaded, x, y)
+        return
+    (reloaded,) = loaded.privacy_gate.plans.values()
+    (original,) = model.privacy_gate.plans.values()
+    assert reloaded is not original and reloaded.get_config() == original.get_config()
+    fitted = C.calibrate(loaded, x, y)
+    assert fitted.coefficients is not None and not loaded.privacy_gate.plans
+    assert loaded.privacy_spent()[0] <= 3.0 * (1 + 1e-9)
+    assert loaded.privacy_spent()[0] == pytest.approx(
+        budget.get_eps_delta(model, 0)[0], rel=1e-9)  # the original's spent + planned
