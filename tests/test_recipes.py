@@ -67,12 +67,12 @@ def test_rules_follow_the_public_facts():
     assert recipes.recipe((30,), 2, 400, 8.0, method="clipping", max_norm=5.0).clipping_norm == 1.0
     small = recipes.recipe((30,), 2, 100, 3.0, feature_range=(0, 1))
     assert small.method == "clipless" and small.outputs == 1  # one binary output: Clipless
-    three = recipes.recipe((13,), 3, 133, 3.0, feature_range=(0, 1))
-    assert (three.method, three.width, three.clipping_norm) == ("clipping", 0, 1.0)
-    assert three.epochs == recipes.clipping_epochs(3.0) == 20
-    large = recipes.recipe((20,), 3, 37500, 8.0, feature_range=(0, 1))  # a table's MLP: 60 epochs
-    assert (large.method, large.width, large.epochs) == ("clipping", 64, 60)
-    assert recipes.recipe((20,), 2, 37500, 8.0, feature_range=(0, 1)).epochs == 30  # Clipless
+    three = recipes.recipe((13,), 3, 133, 3.0, feature_range=(0, 1))  # a table's MLP: 60 epochs
+    assert (three.method, three.width, three.clipping_norm, three.epochs) == ("clipping", 64, 1.0, 60)
+    large = recipes.recipe((40,), 3, 37500, 8.0, feature_range=(0, 1))
+    assert (large.method, large.width, large.epochs) == ("clipping", 128, 60)
+    assert small.width == 128 and small.epochs == 30  # Clipless: a hidden layer at every size too
+    assert recipes.recipe((30,), 2, 100, 3.0, feature_range=(0, 1), method="clipping").width == 128
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
     for r in (digits, mnist, small):
         text = r.describe()
@@ -166,7 +166,7 @@ def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradi
     """The table recipe: no per-row centring, radius the centred box's half diagonal
     (`DP_BoxInput` of ``feature_range``, or `DP_BoundedInput` of ``max_norm`` for
     rows centred beforehand), a bounded bias, one output. Measured per-example
-    gradient norms (kernel and bias) never exceed their bounds and reach 90 % of
+    gradient norms (kernels and bias) never exceed their bounds and reach 90 % of
     them; negative control: half the bounds are exceeded."""
     import numpy as np
 
@@ -191,7 +191,7 @@ def test_a_binary_tables_clipless_recipe_keeps_magnitudes_and_bounds_every_gradi
     assert model.output_shape[-1] == 1
     bounds = kdp.compute_gradient_bounds(model)
     grads = per_example_gradients(model, model.loss, x[:64], y[:64])
-    assert len(grads) == 2  # kernel and bias
+    assert len(grads) == 3  # the hidden and the output kernels, and the bias
     ratios = np.concatenate([
         np.sqrt((np.asarray(g, "float64").reshape(64, -1) ** 2).sum(1)) / bounds[path]
         for path, g in grads.items()])
