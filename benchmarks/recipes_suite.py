@@ -139,24 +139,21 @@ def _one_binary_output(data):
     return data.kind == "table" and data.nb_classes == 2
 
 
-def _hidden_layer_table(data):
-    """A table whose models had a hidden layer by the former rule (N ≥ 10,000 rows)."""
-    return data.kind == "table" and data.nb_train >= FORMER_HIDDEN_MIN_ROWS
-
-
-def _at_least_rows(rows):
-    """The test "a table of at least ``rows`` training rows"."""
+def _table_rows(at_least=0, below=math.inf):
+    """The test "a table of ``at_least`` to ``below`` training rows"."""
     def holds(data):
-        return data.kind == "table" and data.nb_train >= rows
+        return data.kind == "table" and at_least <= data.nb_train < below
     return holds
+
+
+#: a table whose models had a hidden layer by the former rule (N ≥ 10,000 rows)
+_hidden_layer_table = _table_rows(FORMER_HIDDEN_MIN_ROWS)
 
 
 def _hidden_below_the_recipes(rows):
     """The test "a table of ``rows`` to 10,000 training rows" (from 10,000 the
     former rule gave the models their hidden layer already)."""
-    def holds(data):
-        return data.kind == "table" and rows <= data.nb_train < FORMER_HIDDEN_MIN_ROWS
-    return holds
+    return _table_rows(rows, FORMER_HIDDEN_MIN_ROWS)
 
 
 def _at_least(side):
@@ -191,7 +188,7 @@ COMPOSITE = {"clipless_tau_by_outputs": (_one_binary_output, "clipless_tau128", 
                  _one_binary_output, "clipless_tau256_centred", "clipping_long_if_hidden_centred")}
 for _t in ROWS_THRESHOLDS:  # τ·X = 64 below _t training rows, 128 from there
     COMPOSITE[f"clipless_tau_by_rows_{_t // 1000}k_centred"] = (
-        _at_least_rows(_t), "clipless_tau128_centred", "clipless_tau64_centred")
+        _table_rows(_t), "clipless_tau128_centred", "clipless_tau64_centred")
     COMPOSITE[f"clipless_tau_by_rows_{_t // 1000}k_binary_else_clipping_long_centred"] = (
         _one_binary_output, f"clipless_tau_by_rows_{_t // 1000}k_centred",
         "clipping_long_if_hidden_centred")
@@ -253,10 +250,10 @@ def _model(variant, data, eps, seed):
                                  else "scattering" if "_scatter" in variant else None))
     if variant.startswith("clipless_tau"):  # τ·X set explicitly, whatever the recipe's rule
         r.tau = float(variant.removesuffix("_ema")[len("clipless_tau"):]) / r.input_bound
-    if r.kind == "table":  # the width the runs were made with: ``_hidden`` at every size,
-        # the others by the former rule (so every run stays reproducible under the rule now)
-        hidden = variant.endswith("_hidden") or n >= FORMER_HIDDEN_MIN_ROWS
-        r.width = recipes._power_of_two(4 * math.prod(data.input_shape), 64, 512) if hidden else 0
+    if r.kind == "table":  # the width the runs were made with: the recipe's hidden layer for
+        # ``_hidden`` and by the former rule for the others (so every run stays reproducible)
+        if not (variant.endswith("_hidden") or n >= FORMER_HIDDEN_MIN_ROWS):
+            r.width = 0
         if method == "clipping":  # 60 epochs for the long MLPs, the image models' rule otherwise
             r.epochs = (CLIPPING_LONG_EPOCHS if variant in ("clipping_long", "clipping_hidden")
                         else recipes.clipping_epochs(eps))
