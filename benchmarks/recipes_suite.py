@@ -4,7 +4,7 @@ Runs, at ε = 1, 3, 8 and seeds 0, 1, 2 (0 to 9 on the tables of fewer than
 1,000 training rows, whose test sets of 38 to 143 rows leave a 3-seed mean an sd
 of about 0.02, twice the 0.01 the rules are judged by; the seed fixes the
 initialisation; the noise comes from the OS entropy), on the datasets of `suite_data` (scikit-learn's
-digits, breast_cancer, wine, iris, seven generated tables and seven generated
+digits, breast_cancer, wine, iris, nine generated tables and seven generated
 image sets of 8×8 to 28×28 pixels; nothing is downloaded):
 
 * ``clipless_tau32`` / ``clipless_tau128`` (tables): the Clipless recipe with
