@@ -1,12 +1,13 @@
 """Private calibration of the recipe's binary table models: does it calibrate, and what does it cost?
 
 For each two-class table of the suite (`suite_data`: breast_cancer, gen_500_bal,
-gen_5k_imb, gen_4k_2c; centred columns, as `kdp.tabular` gives them) and a generated
-clinical-style table (notebook 11's), at ε = 1, 3, 8 and seeds 0, 1, 2, trains
-the table recipe (Clipless, one output) twice:
+gen_5k_imb, gen_4k_2c, gen_2k_lin; centred columns, as `kdp.tabular` gives them) and a
+generated clinical-style table (notebook 11's), at ε = 1, 3, 8 and seeds 0, 1, 2,
+trains the table recipe (``method="auto"``: per-example clipping, one hidden layer,
+one output) twice:
 
 * ``plain``: the recipe's model without calibration (σ for training alone);
-  its probabilities are the loss's link ``sigmoid(τ·z)``;
+  its probabilities are the loss's link (``sigmoid(z)``; ``sigmoid(τ·z)`` for Clipless);
 * ``calibrated``: the same recipe built with ``calibrate=True`` (the
   calibration reserved before `make_private`, so training and its release
   together reach ε), then `kdp.calibration.calibrate` on the training rows.
@@ -19,7 +20,8 @@ score bins, `kdp.calibration.DEFAULT_EDGES`) and its share (a quarter of ε for
 the release alone, `kdp.calibration.CALIBRATION_SHARE`) were chosen after one
 seed on breast_cancer and the clinical table (histogram binning and a share
 of 1/10 came first); gen_500_bal, gen_5k_imb and gen_4k_2c were not seen
-before. Prints a table; ``--out`` saves the records as JSON.
+before (gen_2k_lin was added in the seventh session, when the recipe moved to
+per-example clipping for every table). Prints a table; ``--out`` saves the records as JSON.
 
     python benchmarks/calibration_tables.py [--seeds 3] [--out results/calibration_tables.json]
 """
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import suite_data  # noqa: E402
 
 EPSILONS = (1.0, 3.0, 8.0)
-SUITE_TABLES = ("breast_cancer", "gen_500_bal", "gen_5k_imb", "gen_4k_2c")
+SUITE_TABLES = ("breast_cancer", "gen_500_bal", "gen_5k_imb", "gen_4k_2c", "gen_2k_lin")
 
 
 def clinical(rows=8000, seed=0):

@@ -218,7 +218,8 @@ def run_demo(args):
     if not args.delta < 1.0 / n:
         raise SystemExit(f"kdp demo: error: --delta must be < 1/N = {1.0 / n:.3g}")
     kind = "table" if args.dataset in TABLES else "image"  # digits come flattened
-    # on pixels (no scattering features): Clipless for auto, with its certificate
+    # on pixels (no scattering features): Clipless for auto on images, with its
+    # certificate; auto trains a table with per-example clipping
     recipe = recipes.recipe(md.input_shape, md.nb_classes, n, args.epsilon, args.delta,
                             method=args.method, max_norm=md.max_norm, kind=kind, features=None)
     md = recipe.metadata()

@@ -22,7 +22,8 @@ def test_table_tau_grows_with_rows_for_one_binary_output():
     assert tau_x(3, 10 * large) == recipes.TAU_TIMES_BOUND_TABLE  # more classes: no size rule
     image = recipes.recipe((8, 8), 2, 10 * large, 3.0, features=None, method="clipless")
     assert image.tau * image.input_bound == recipes.TAU_TIMES_BOUND
-    assert "128 / input_bound" in recipes.recipe((6,), 2, large, 3.0, max_norm=1.0).rules["tau"]
+    assert "128 / input_bound" in recipes.recipe((6,), 2, large, 3.0, max_norm=1.0,
+                                                  method="clipless").rules["tau"]
 
 
 def test_rules_follow_the_public_facts():
@@ -65,8 +66,12 @@ def test_rules_follow_the_public_facts():
     assert recipes.recipe(target_epsilon=0.1, **clipping).epochs == 60
     assert recipes.recipe(target_epsilon=8.0, **clipping).clipping_norm == 0.1
     assert recipes.recipe((30,), 2, 400, 8.0, method="clipping", max_norm=5.0).clipping_norm == 1.0
-    small = recipes.recipe((30,), 2, 100, 3.0, feature_range=(0, 1))
-    assert small.method == "clipless" and small.outputs == 1  # one binary output: Clipless
+    small = recipes.recipe((30,), 2, 100, 3.0, feature_range=(0, 1), method="clipless")
+    assert small.outputs == 1
+    for classes, n in ((2, 100), (2, 10_000), (3, 100)):  # tables: per-example clipping
+        table = recipes.recipe((30,), classes, n, 3.0, feature_range=(0, 1))
+        outputs = 1 if classes == 2 else classes
+        assert (table.method, table.outputs, table.width) == ("clipping", outputs, 128)
     three = recipes.recipe((13,), 3, 133, 3.0, feature_range=(0, 1))  # a table's MLP: 60 epochs
     assert (three.method, three.width, three.clipping_norm, three.epochs) == ("clipping", 64, 1.0, 60)
     large = recipes.recipe((40,), 3, 37500, 8.0, feature_range=(0, 1))
@@ -237,23 +242,25 @@ def test_a_table_with_the_uncentred_bound_assumes_unit_columns_and_a_bad_range_i
     import warnings
 
     with pytest.warns(UserWarning, match="read as columns in \\[0, 1\\]"):
-        assumed = recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5)
+        assumed = recipes.recipe((6,), 2, 400, 3.0, method="clipless", max_norm=6 ** 0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        r = recipes.recipe((6,), 2, 400, 3.0, feature_range=(0, 1))
-        recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5 / 2)
-        uncentred = recipes.recipe((6,), 2, 400, 3.0, max_norm=6 ** 0.5, feature_range=False)
+        r = recipes.recipe((6,), 2, 400, 3.0, method="clipless", feature_range=(0, 1))
+        recipes.recipe((6,), 2, 400, 3.0, method="clipless", max_norm=6 ** 0.5 / 2)
+        uncentred = recipes.recipe((6,), 2, 400, 3.0, method="clipless", max_norm=6 ** 0.5,
+                                   feature_range=False)
     assert (r.max_norm, r.input_bound) == pytest.approx((6 ** 0.5, 6 ** 0.5 / 2))
     assert (assumed.feature_range, assumed.feature_range_assumed) == ((0.0, 1.0), True)
     assert (assumed.max_norm, assumed.input_bound) == pytest.approx((6 ** 0.5, 6 ** 0.5 / 2))
     assert not r.feature_range_assumed
     assert uncentred.feature_range is None and uncentred.input_bound == pytest.approx(6 ** 0.5)
-    wide = recipes.recipe((2,), 2, 400, 3.0, feature_range=([-1, 0], [3, 1]))
+    wide = recipes.recipe((2,), 2, 400, 3.0, method="clipless", feature_range=([-1, 0], [3, 1]))
     assert wide.max_norm == pytest.approx(10 ** 0.5) and wide.input_bound == pytest.approx(
         (4 + 0.25) ** 0.5)
     # a max_norm below the box's: the bound of the centred rows is ||x|| + ||c|| (c = 0 here),
     # and fit checks the rows against it (it is a claim the noise relies on)
-    tight = recipes.recipe((6,), 2, 400, 3.0, feature_range=(-1, 1), max_norm=0.5)
+    tight = recipes.recipe((6,), 2, 400, 3.0, method="clipless", feature_range=(-1, 1),
+                           max_norm=0.5)
     assert tight.input_bound == 0.5
     x, y = _table(400)
     with pytest.raises(ValueError, match="max_norm"):
@@ -382,7 +389,8 @@ def test_a_table_model_with_a_declared_range_saves_and_loads(tmp_path):
 
     x, _ = _table()
     low, high = [0.0] * 6, [1.0, 1.0, 2.0, 1.0, 1.0, 3.0]
-    model = recipes.recipe((6,), 2, len(x), 3.0, feature_range=(low, high)).build(seed=0)
+    model = recipes.recipe((6,), 2, len(x), 3.0, feature_range=(low, high),
+                           method="clipless").build(seed=0)
     path = str(tmp_path / "table.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
