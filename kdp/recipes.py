@@ -124,7 +124,7 @@ The rules and their sources:
   0.626 / 0.628 / 0.627). The rules assume the
   columns centred at their declared range's midpoint (`kdp.tabular`'s default:
   a public offset that about halves ``max_norm``); on the suite's ten tables
-  the linear table rule's mean accuracy / AUROC was 0.784 / 0.886 centred and
+  of the fourth session the linear table rule's mean accuracy / AUROC was 0.784 / 0.886 centred and
   0.737 / 0.853 uncentred, and every leave-one-dataset-out fold chose centring.
   Clipless uses τ·X = 64 (images: 32), and 128 for one binary output from
   N = 1 000 training rows: in the linear table rule, 64 everywhere scored
