@@ -347,11 +347,13 @@ def test_overwriting_the_weights_with_their_average_during_training_is_refused()
     assert model.privacy_ledger.training_steps() == 0
 
 
+@pytest.mark.parametrize("method", ["clipping", "clipless"])
 @pytest.mark.parametrize("path", ["fit", "train_on_batch", "saved"])
-def test_rows_outside_an_assumed_box_are_refused_before_anything_is_spent(path, tmp_path):
+def test_rows_outside_an_assumed_box_are_refused_before_anything_is_spent(path, method, tmp_path):
     """``max_norm = √d`` alone assumes columns in [0, 1]: rows outside are refused
-    (not clamped) on every training path, also after saving; a declared
-    ``feature_range=(0, 1)`` clamps the same rows (the negative control)."""
+    (not clamped) on every training path, also after saving, whichever the
+    method; a declared ``feature_range=(0, 1)`` clamps the same rows (the
+    negative control)."""
     import warnings
 
     import keras
@@ -363,7 +365,7 @@ def test_rows_outside_an_assumed_box_are_refused_before_anything_is_spent(path, 
     outside = x - 0.5  # centred by hand: values in [-0.5, 0.5], norms inside sqrt(6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = recipes.recipe((6,), 2, len(x), 3.0, max_norm=6 ** 0.5).build(seed=0)
+        model = recipes.recipe((6,), 2, len(x), 3.0, max_norm=6 ** 0.5, method=method).build(seed=0)
     if path == "saved":
         model.save(str(tmp_path / "assumed.keras"))
         model = keras.models.load_model(str(tmp_path / "assumed.keras"))
@@ -372,7 +374,8 @@ def test_rows_outside_an_assumed_box_are_refused_before_anything_is_spent(path, 
     with pytest.raises(DataValidationError, match="outside \\[0, 1\\].*feature_range"):
         train()
     assert model.privacy_ledger.training_steps() == 0
-    declared = recipes.recipe((6,), 2, len(x), 3.0, feature_range=(0, 1)).build(seed=0)
+    declared = recipes.recipe((6,), 2, len(x), 3.0, feature_range=(0, 1),
+                              method=method).build(seed=0)
     declared.fit(outside, y, epochs=1, verbose=0)
     assert declared.privacy_ledger.training_steps() > 0
     model.fit(x, y, epochs=1, verbose=0)  # the rows inside the box train
