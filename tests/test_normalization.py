@@ -125,7 +125,12 @@ def test_a_clipless_recipe_on_scattering_features_bounds_every_examples_gradient
 
 def test_a_clipping_model_on_normalised_scattering_features_trains():
     """Per-example clipping in front of the fixed features (the recipe's default for
-    images of 16×16 and more): the loss falls on a separable toy task."""
+    images of 16×16 and more): it learns a separable toy task.
+
+    The loss is compared before and after training on all rows, not between the
+    noisy epochs' running means (which can rise from one epoch to the next). Over
+    seeds 0-5 on both backends the loss fell from 0.57-1.40 to 0.29-0.41 and the
+    training accuracy reached 0.78-0.85."""
     rng = np.random.default_rng(5)
     y = rng.integers(0, 2, 128)
     x = rng.uniform(size=(128, 16, 16)).astype("float32") * 0.2
@@ -134,8 +139,11 @@ def test_a_clipping_model_on_normalised_scattering_features_trains():
     assert (r.method, r.features, r.width) == ("clipping", "scattering", 0)
     r.epochs = 3
     model = r.build(seed=0)
-    history = model.fit(x, y, epochs=3, verbose=0).history
-    assert history["loss"][-1] < history["loss"][0]
+    loss_before = model.evaluate(x, y, verbose=0)[0]
+    model.fit(x, y, epochs=3, verbose=0)
+    loss_after, accuracy = model.evaluate(x, y, verbose=0)
+    assert loss_after < loss_before - 0.1
+    assert accuracy > max(np.mean(y), 1 - np.mean(y)) + 0.1
     assert model.privacy_spent()[0] <= 8.0
 
 
