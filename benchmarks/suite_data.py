@@ -15,8 +15,9 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
   ``input_shape = (8, 8)`` (the model flattens), ``max_norm = 8``.
 * breast_cancer, wine, iris: the per-feature Min / Max of the "Summary
   Statistics" table in each dataset's documentation (scikit-learn's ``DESCR``,
-  copied from the UCI documentation), copied below as constants. The published
-  numbers are rounded, so a few values fall just outside and are clipped.
+  copied from the UCI documentation), read from ``kdp/published_ranges.py``.
+  The published numbers are rounded, so a few values fall just outside and are
+  clipped.
 * gen_*: ``make_classification(n_features=20, n_informative=5, n_redundant=2)``
   (``gen_2k_10c``: ``n_informative=10``; ``gen_20k_5c``: 8, five classes
   40/25/15/12/8 %, added with the ``clipping_long`` variant as a second large
@@ -60,7 +61,9 @@ every seed (seeds vary the training only).
 
 import dataclasses
 import functools
+import importlib.util
 import math
+import pathlib
 
 import numpy as np
 from sklearn import datasets as skdatasets
@@ -71,31 +74,20 @@ TEST_SIZE = 0.25
 SPLIT_SEED = 0
 
 # --- public ranges ---------------------------------------------------------
-# Source: scikit-learn's DESCR of load_breast_cancer ("Summary Statistics", Min /
-# Max), i.e. the UCI "Breast Cancer Wisconsin (Diagnostic)" documentation
-# (wdbc.names). Order = the 30 columns of load_breast_cancer().data: the ten
-# measurements' mean, then their standard error, then their "worst" value.
-_BC_MEAN = [(6.981, 28.11), (9.71, 39.28), (43.79, 188.5), (143.5, 2501.0), (0.053, 0.163),
-            (0.019, 0.345), (0.0, 0.427), (0.0, 0.201), (0.106, 0.304), (0.05, 0.097)]
-_BC_SE = [(0.112, 2.873), (0.36, 4.885), (0.757, 21.98), (6.802, 542.2), (0.002, 0.031),
-          (0.002, 0.135), (0.0, 0.396), (0.0, 0.053), (0.008, 0.079), (0.001, 0.03)]
-_BC_WORST = [(7.93, 36.04), (12.02, 49.54), (50.41, 251.2), (185.2, 4254.0), (0.071, 0.223),
-             (0.027, 1.058), (0.0, 1.252), (0.0, 0.291), (0.156, 0.664), (0.055, 0.208)]
-BREAST_CANCER_RANGES = tuple(_BC_MEAN + _BC_SE + _BC_WORST)
+def _published_ranges():
+    """``kdp/published_ranges.py`` read from its file, without importing kdp (the
+    baselines' environments do not install it): the per-column Min / Max that
+    the UCI documentation (scikit-learn's ``DESCR``) publishes for breast_cancer,
+    wine and iris, the same constants `kdp.datasets` maps those tables with."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "kdp" / "published_ranges.py"
+    spec = importlib.util.spec_from_file_location("kdp_published_ranges", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-# Source: scikit-learn's DESCR of load_wine ("Summary Statistics", Min / Max), from
-# the UCI "Wine recognition" documentation (wine.names). Column order of
-# load_wine().data: alcohol, malic acid, ash, alcalinity of ash, magnesium, total
-# phenols, flavanoids, nonflavanoid phenols, proanthocyanins, colour intensity,
-# hue, OD280/OD315 of diluted wines, proline.
-WINE_RANGES = ((11.0, 14.8), (0.74, 5.80), (1.36, 3.23), (10.6, 30.0), (70.0, 162.0),
-               (0.98, 3.88), (0.34, 5.08), (0.13, 0.66), (0.41, 3.58), (1.3, 13.0),
-               (0.48, 1.71), (1.27, 4.00), (278.0, 1680.0))
 
-# Source: scikit-learn's DESCR of load_iris ("Summary Statistics", Min / Max), from
-# Fisher (1936) / the UCI "Iris" documentation (iris.names). Columns: sepal length,
-# sepal width, petal length, petal width (cm).
-IRIS_RANGES = ((4.3, 7.9), (2.0, 4.4), (1.0, 6.9), (0.1, 2.5))
+_RANGES = _published_ranges()
+BREAST_CANCER_RANGES, WINE_RANGES, IRIS_RANGES = _RANGES.BREAST_CANCER, _RANGES.WINE, _RANGES.IRIS
 
 #: declared range of every generated feature (a design choice, hence public)
 GENERATED_RANGE = (-5.0, 5.0)

@@ -26,10 +26,10 @@ import sys
 import time
 
 BACKENDS = ("tensorflow", "jax")
-DATASETS = ("digits", "breast_cancer")
+DATASETS = ("digits", "breast_cancer", "wine", "iris")
 _REEXEC_FLAG = "KDP_CLI_REEXEC"
 #: the bundled datasets that are tables (the others are images)
-TABLES = ("breast_cancer",)
+TABLES = ("breast_cancer", "wine", "iris")
 #: the files the demo writes in ``--out``, for each dataset
 PLOT_FILE, REPORT_FILE = "demo_{}.png", "report_{}.json"
 

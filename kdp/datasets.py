@@ -6,14 +6,16 @@ Every loader returns ``(x_train, y_train), (x_test, y_test), metadata`` with
 
 All preprocessing is **data independent**: each example is transformed on its
 own by a fixed public map (pixels divided by their maximum value 16 or 255,
-``log1p`` of the non-negative breast-cancer measurements, optional per-example
-clipping or normalisation). No mean, standard deviation, min or max is ever
-computed from the data, so preprocessing costs no privacy. The norm bound is
-either the bound of the input domain (``√d`` for pixels in ``[0, 1]``) or that of
-the chosen input bound function.
+a table's columns mapped from their published ranges onto [-1/2, 1/2],
+optional per-example clipping or normalisation). No mean, standard deviation,
+min or max is ever computed from the data, so preprocessing costs no privacy.
+The norm bound is either the bound of the input domain (``√d`` for pixels in
+``[0, 1]``, ``√d / 2`` for a centred table) or that of the chosen input bound
+function.
 
-* ``load_digits`` and ``load_breast_cancer`` use scikit-learn's bundled copies
-  (no download) and an 80/20 stratified split with a fixed seed.
+* ``load_digits``, ``load_breast_cancer``, ``load_wine`` and ``load_iris`` use
+  scikit-learn's bundled copies (no download) and an 80/20 stratified split
+  with a fixed seed.
 * ``load_mnist``, ``load_fashion_mnist`` and ``load_cifar10`` read a local
   ``.npz`` (keys ``x_train, y_train, x_test, y_test``) when ``path`` is given,
   and otherwise call ``keras.datasets`` (which downloads once, then caches).
@@ -23,6 +25,7 @@ import math
 
 import numpy as np
 
+from kdp import published_ranges
 from kdp.metadata import DatasetMetadata, bound_clip_value, bound_normalize
 
 DIGITS_CLASSES = [str(i) for i in range(10)]
@@ -35,9 +38,6 @@ CIFAR10_CLASSES = [
     "airplane", "automobile", "bird", "cat", "deer",
     "dog", "frog", "horse", "ship", "truck",
 ]
-#: per-example L2 clipping radius applied to ``log1p`` breast-cancer features by
-#: default (a public constant chosen a priori, not measured on the data).
-BREAST_CANCER_CLIP = 20.0
 
 
 def input_bound_fn(input_bound):
@@ -124,28 +124,80 @@ def load_digits(batch_size=256, input_bound=None, flatten=True, test_size=0.2, s
                    DIGITS_CLASSES)
 
 
-def load_breast_cancer(batch_size=64, input_bound=BREAST_CANCER_CLIP, test_size=0.2, seed=0):
-    """scikit-learn's bundled Wisconsin breast cancer data (569 × 30; no download).
+def table_schema(name):
+    """The `TabularSchema` kdp maps a scikit-learn bundled table with: one
+    `Numeric` column per measurement, over its published range (`published_ranges`),
+    centred (each feature in [-1/2, 1/2], ``max_norm = √d / 2``).
 
-    The 30 non-negative measurements have very different units (areas in the
-    thousands, smoothness below 1), so each is mapped by ``log1p``, a fixed
-    public transform. The features have no a-priori norm bound, so each example
-    is clipped to ``input_bound`` (default `BREAST_CANCER_CLIP` = 20); pass
-    ``"normalize"`` for unit-norm examples. Labels: 0 malignant, 1 benign.
-
-    Returns:
-        ``(x_train, y_train), (x_test, y_test), metadata``; 455 / 114 examples
-        with the defaults.
+    Args:
+        name: ``"breast_cancer"``, ``"wine"`` or ``"iris"``.
     """
     from sklearn import datasets
 
-    if input_bound is None:
-        raise ValueError("breast_cancer features are unbounded: pass a clipping radius or 'normalize'")
-    data = datasets.load_breast_cancer()
-    x = np.log1p(np.maximum(data.data, 0.0)).astype("float32")
+    from kdp.tabular import Numeric, TabularSchema
+
+    if name not in published_ranges.RANGES:
+        raise ValueError(f"no published ranges for {name!r}; one of {sorted(published_ranges.RANGES)}")
+    names = getattr(datasets, f"load_{name}")().feature_names
+    return TabularSchema({str(column): Numeric(low, high)
+                          for column, (low, high) in zip(names, published_ranges.RANGES[name])})
+
+
+def _load_table(name, batch_size, input_bound, test_size, seed):
+    """A scikit-learn bundled table mapped by `table_schema` and split."""
+    from sklearn import datasets
+
+    data = getattr(datasets, f"load_{name}")()
+    schema = table_schema(name)
+    x = schema.transform({str(column): values
+                          for column, values in zip(data.feature_names, data.data.T)})
     x_train, y_train, x_test, y_test = _split(x, data.target, test_size, seed)
-    return _finish(x_train, y_train, x_test, y_test, None, input_bound, batch_size,
+    return _finish(x_train, y_train, x_test, y_test, schema.max_norm, input_bound, batch_size,
                    [str(c) for c in data.target_names])
+
+
+_TABLE_DOC = """scikit-learn's bundled {title} ({shape}; no download).
+
+    Every column is mapped from the range its documentation publishes (UCI;
+    `published_ranges`) onto [0, 1], clipped, and centred to [-1/2, 1/2]
+    (`table_schema`): a fixed public map, so the features cost no privacy, and
+    ``metadata.max_norm = √{d} / 2`` unless ``input_bound`` sets a smaller one.
+    Train a recipe on them with ``kind="table", max_norm=metadata.max_norm``.
+
+    Args:
+        batch_size: expected batch size stored in the metadata.
+        input_bound: ``None``, a clipping radius, or ``"normalize"`` (see
+            `input_bound_fn`).
+        test_size: fraction held out for testing (stratified).
+        seed: seed of the split.
+
+    Returns:
+        ``(x_train, y_train), (x_test, y_test), metadata``; {split} examples
+        with the defaults. Labels: {labels}.
+    """
+
+
+def load_breast_cancer(batch_size=64, input_bound=None, test_size=0.2, seed=0):
+    return _load_table("breast_cancer", batch_size, input_bound, test_size, seed)
+
+
+def load_wine(batch_size=32, input_bound=None, test_size=0.2, seed=0):
+    return _load_table("wine", batch_size, input_bound, test_size, seed)
+
+
+def load_iris(batch_size=32, input_bound=None, test_size=0.2, seed=0):
+    return _load_table("iris", batch_size, input_bound, test_size, seed)
+
+
+load_breast_cancer.__doc__ = _TABLE_DOC.format(
+    title="Wisconsin diagnostic breast cancer data", shape="569 × 30", d=30, split="455 / 114",
+    labels="0 malignant, 1 benign")
+load_wine.__doc__ = _TABLE_DOC.format(
+    title="wine recognition data", shape="178 × 13, 3 cultivars", d=13, split="142 / 36",
+    labels="the cultivars 0, 1, 2")
+load_iris.__doc__ = _TABLE_DOC.format(
+    title="iris data", shape="150 × 4, 3 species", d=4, split="120 / 30",
+    labels="0 setosa, 1 versicolor, 2 virginica")
 
 
 def _load_npz(path):
@@ -201,6 +253,8 @@ def load_cifar10(path=None, batch_size=256, input_bound=None, flatten=False):
 LOADERS = {
     "digits": load_digits,
     "breast_cancer": load_breast_cancer,
+    "wine": load_wine,
+    "iris": load_iris,
     "mnist": load_mnist,
     "fashion_mnist": load_fashion_mnist,
     "cifar10": load_cifar10,
@@ -215,6 +269,6 @@ def load_dataset(name, **kwargs):
 
 
 __all__ = [
-    "load_digits", "load_breast_cancer", "load_mnist", "load_fashion_mnist", "load_cifar10",
-    "load_dataset", "input_bound_fn", "LOADERS",
+    "load_digits", "load_breast_cancer", "load_wine", "load_iris", "table_schema", "load_mnist",
+    "load_fashion_mnist", "load_cifar10", "load_dataset", "input_bound_fn", "LOADERS",
 ]

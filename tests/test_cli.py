@@ -274,6 +274,18 @@ def test_tensorboard_without_its_package_is_refused_before_any_step(tmp_path):
     assert model.privacy_ledger.training_steps() == 0  # Keras alone fails after a step was spent
 
 
+def test_the_demo_learns_a_bundled_table(tmp_path, capsys):
+    """breast_cancer through the demo (its columns mapped by their published ranges,
+    auto = per-example clipping): 10 epochs at ε = 3 reach 0.90-0.92 on both backends
+    (4 runs each), against 0.627 for the majority class; the former loader
+    (uncentred log1p, clipped to norm 20) gave 0.632 here (checked) and 0.649 after 60."""
+    assert cli.main(["demo", "--dataset", "breast_cancer", "--epochs", "10", "--quiet",
+                     "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "report_breast_cancer.json").read_text())
+    assert data["method"] == "clipping" and 0 < data["epsilon"] <= 3.0 + 1e-9
+    assert data["test_accuracy"] >= 0.85
+
+
 def test_the_clipping_method_reports_no_certificate(tmp_path, capsys):
     """Per-example clipping has no Lipschitz certificate to report."""
     report = cli.main(["demo", "--method", "clipping", "--epochs", "1", "--quiet",

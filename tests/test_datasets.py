@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kdp import datasets
+from kdp import datasets, published_ranges
 from kdp.pipeline import DatasetMetadata
 
 
@@ -14,8 +14,8 @@ def _norms(x):
 def test_pipeline_reexports_the_loaders():
     from kdp import pipeline
 
-    for name in ("load_digits", "load_breast_cancer", "load_mnist", "load_fashion_mnist",
-                 "load_cifar10"):
+    for name in ("load_digits", "load_breast_cancer", "load_wine", "load_iris", "load_mnist",
+                 "load_fashion_mnist", "load_cifar10"):
         assert getattr(pipeline, name) is getattr(datasets, name)
 
 
@@ -72,17 +72,47 @@ def test_digits_images_and_input_bounds():
         datasets.load_digits(input_bound=-1.0)
 
 
-def test_breast_cancer():
-    (x, y), (xt, yt), md = datasets.load_breast_cancer()
-    assert x.shape == (455, 30) and xt.shape == (114, 30)
-    assert md.nb_classes == 2 and md.class_names == ["malignant", "benign"]
-    assert md.max_norm == datasets.BREAST_CANCER_CLIP
-    assert _norms(x).max() <= md.max_norm + 1e-4
-    assert set(np.unique(y)) == {0, 1}
-    with pytest.raises(ValueError, match="unbounded"):
-        datasets.load_breast_cancer(input_bound=None)
+@pytest.mark.parametrize("name, shape, classes", [
+    ("breast_cancer", (455, 30), ["malignant", "benign"]),
+    ("wine", (142, 13), ["class_0", "class_1", "class_2"]),
+    ("iris", (120, 4), ["setosa", "versicolor", "virginica"]),
+])
+def test_a_bundled_table_is_mapped_by_its_published_ranges(name, shape, classes):
+    """Each column is (raw - low) / (high - low), clipped to [0, 1], minus 1/2, with
+    the documentation's range (recomputed here from the raw data), and the bound is
+    √d / 2. Negative control: the raw measurements, or their log1p (the former
+    breast_cancer loader), are not what the loader returns."""
+    from sklearn import datasets as raw
+
+    (x, y), (xt, yt), md = datasets.load_dataset(name)
+    assert x.shape == shape and x.dtype == np.float32 and md.input_shape == shape[1:]
+    assert md.class_names == classes and md.nb_classes == len(classes)
+    assert md.max_norm == pytest.approx(np.sqrt(shape[1]) / 2)
+    assert _norms(x).max() <= md.max_norm + 1e-6 and _norms(xt).max() <= md.max_norm + 1e-6
+    ranges = np.asarray(published_ranges.RANGES[name])
+    data = getattr(raw, f"load_{name}")()
+    expected = np.clip((data.data - ranges[:, 0]) / (ranges[:, 1] - ranges[:, 0]), 0, 1) - 0.5
+    pool = np.sort(np.concatenate([x, xt]), axis=0)
+    np.testing.assert_allclose(pool, np.sort(expected, axis=0), atol=1e-6)
+    assert (np.abs(expected) == 0.5).any(axis=0).mean() > 0.5  # the ranges are tight, so used
+    for wrong in (data.data, np.log1p(data.data)):
+        assert not np.allclose(pool, np.sort(wrong, axis=0), atol=1e-3)
+    # the split is stratified
+    counts, test_counts = np.bincount(y), np.bincount(yt)
+    assert np.all(np.abs(test_counts - 0.2 * (counts + test_counts)) <= 1)
+    schema = datasets.table_schema(name)
+    assert schema.max_norm == md.max_norm and schema.feature_names == [
+        str(c) for c in data.feature_names]
+
+
+def test_a_table_loader_takes_an_input_bound_and_refuses_an_unknown_table():
     (x, _), _, md = datasets.load_breast_cancer(input_bound="normalize")
     np.testing.assert_allclose(_norms(x), 1.0, atol=1e-5)
+    assert md.max_norm == 1.0
+    (x, _), _, md = datasets.load_iris(input_bound=0.5)
+    assert md.max_norm == 0.5 and _norms(x).max() <= 0.5 + 1e-6
+    with pytest.raises(ValueError, match="no published ranges for 'diabetes'"):
+        datasets.table_schema("diabetes")
 
 
 def _write_npz(path, rng, n_train, n_test, image_shape, label_shape=()):
