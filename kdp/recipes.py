@@ -549,12 +549,17 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                      loss_clip="L/50 (L = sqrt(2), or 1 for one binary output): every "
                                "example's logit gradient clipped to the same small norm")
     steps = values["epochs"] * n / batch_size
-    values["ema_momentum"] = (min(EMA_MAX, max(EMA_MIN, 1.0 - EMA_HORIZON / steps))
-                              if kind == "image" else None)
+    values["ema_momentum"] = ema_momentum(steps) if kind == "image" else None
     rules["ema_momentum"] = ("images: 1 - 10/T for T training steps, in [0.9, 0.999] (the "
                              "trained weights are a moving average of the last ~T/10 noisy "
                              "iterates); tables: none")
     return Recipe(rules=rules, **values)
+
+
+def ema_momentum(steps):
+    """The moving average's momentum for ``steps`` training steps: ``1 − 10/T`` within
+    ``[0.9, 0.999]`` (`EMA_HORIZON`, `EMA_MIN`, `EMA_MAX`)."""
+    return min(EMA_MAX, max(EMA_MIN, 1.0 - EMA_HORIZON / steps))
 
 
 def clipping_epochs(target_epsilon):
