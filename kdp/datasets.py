@@ -132,23 +132,30 @@ def table_schema(name):
     Args:
         name: ``"breast_cancer"``, ``"wine"`` or ``"iris"``.
     """
+    return _schema(name, _bundled(name).feature_names)
+
+
+def _bundled(name):
+    """scikit-learn's bundled table ``name``, refused without published ranges."""
     from sklearn import datasets
 
+    if name not in published_ranges.RANGES:
+        raise ValueError(
+            f"no published ranges for {name!r}; one of {sorted(published_ranges.RANGES)}")
+    return getattr(datasets, f"load_{name}")()
+
+
+def _schema(name, feature_names):
     from kdp.tabular import Numeric, TabularSchema
 
-    if name not in published_ranges.RANGES:
-        raise ValueError(f"no published ranges for {name!r}; one of {sorted(published_ranges.RANGES)}")
-    names = getattr(datasets, f"load_{name}")().feature_names
-    return TabularSchema({str(column): Numeric(low, high)
-                          for column, (low, high) in zip(names, published_ranges.RANGES[name])})
+    return TabularSchema({str(column): Numeric(low, high) for column, (low, high)
+                          in zip(feature_names, published_ranges.RANGES[name])})
 
 
 def _load_table(name, batch_size, input_bound, test_size, seed):
     """A scikit-learn bundled table mapped by `table_schema` and split."""
-    from sklearn import datasets
-
-    data = getattr(datasets, f"load_{name}")()
-    schema = table_schema(name)
+    data = _bundled(name)
+    schema = _schema(name, data.feature_names)
     x = schema.transform({str(column): values
                           for column, values in zip(data.feature_names, data.data.T)})
     x_train, y_train, x_test, y_test = _split(x, data.target, test_size, seed)
