@@ -70,6 +70,9 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   ``kdp.recipes.ema_momentum``), declared in the eighth session before it ran;
   a table variant ``<variant>_ema`` gets that moving average (the recipe gives
   tables none);
+* ``clipping_hidden_every_size_lr<k>_centred``: that rule with Adam's learning
+  rate at k / 1000 (30 and 100, `LEARNING_RATES`; the recipes' 10), declared in
+  the ninth session before it ran;
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -104,6 +107,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -130,6 +134,15 @@ FORMER_HIDDEN_MIN_ROWS = 10_000
 HIDDEN_THRESHOLDS = (1_000, 2_000, 5_000, 0)
 
 
+#: Adam's learning rate of the table MLP in the ``_lr<k>`` candidates, in thousandths (the
+#: recipes' rule: 10). Declared in the ninth session before they ran: a one-seed probe
+#: (a DP-SGD loop outside kdp, two seeds) on gen_2k_lin and gen_4k_2c at ε = 1, the two
+#: generated tables where the rule was more than 0.01 below the best variant, moved
+#: gen_2k_lin 0.715 → 0.849 / 0.823 and gen_4k_2c 0.790 → 0.823 / 0.826 with 0.03 / 0.1
+#: (a wider or narrower layer, another C, 20 or 120 epochs, 0.003: at most 0.786)
+LEARNING_RATES = (30, 100)
+
+
 def _hidden_rule(rows):
     """The name part of a `HIDDEN_THRESHOLDS` rule."""
     return "every_size" if rows == 0 else f"from_{rows // 1000}k"
@@ -149,7 +162,8 @@ CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "cliple
                          for t in HIDDEN_THRESHOLDS),
                        "hidden_every_size_binary_clipless_from_1k_else_clipping_centred",
                        "clipping_hidden_every_size_centred",
-                       "clipping_hidden_every_size_ema_centred"),
+                       "clipping_hidden_every_size_ema_centred",
+                       *(f"clipping_hidden_every_size_lr{k}_centred" for k in LEARNING_RATES)),
               "image": ("clipless", "clipping", "clipless_scatter", "clipping_scatter",
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
                         "scatter_from_16px_ema", "scatter_from_12px_ema",
@@ -241,16 +255,26 @@ COMPOSITE["hidden_every_size_binary_clipless_from_1k_else_clipping_centred"] = (
 #: for noise in the final weights and costs no privacy
 COMPOSITE["clipping_hidden_every_size_ema_centred"] = (
     _hidden_below_the_recipes(0), "clipping_hidden_ema_centred", "clipping_long_ema_centred")
+#: the recipes' table rule with Adam's learning rate at k / 1000 (`LEARNING_RATES`)
+for _k in LEARNING_RATES:
+    COMPOSITE[f"clipping_hidden_every_size_lr{_k}_centred"] = (
+        _hidden_below_the_recipes(0), f"clipping_hidden_lr{_k}_centred",
+        f"clipping_long_lr{_k}_centred")
 #: variants run only where their test holds (elsewhere the recipe is the plain variant's)
 ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hidden_layer_table,
               "clipping_long_ema_centred": _hidden_layer_table,
               "clipless_hidden_centred": _hidden_below_the_recipes(0),
               "clipping_hidden_centred": _hidden_below_the_recipes(0),
-              "clipping_hidden_ema_centred": _hidden_below_the_recipes(0)}
+              "clipping_hidden_ema_centred": _hidden_below_the_recipes(0),
+              **{f"clipping_long_lr{k}_centred": _hidden_layer_table for k in LEARNING_RATES},
+              **{f"clipping_hidden_lr{k}_centred": _hidden_below_the_recipes(0)
+                 for k in LEARNING_RATES}}
 #: run, but no candidate by themselves (composite rules use ``clipping_long[_centred]``)
 RUN_ONLY = {"table": ("clipping_long", "clipping_long_centred", "clipping_untuned",
                       "clipless_hidden_centred", "clipping_hidden_centred",
-                      "clipping_hidden_ema_centred", "clipping_long_ema_centred"),
+                      "clipping_hidden_ema_centred", "clipping_long_ema_centred",
+                      *(f"clipping_{m}_lr{k}_centred" for k in LEARNING_RATES
+                        for m in ("hidden", "long"))),
             "image": ("clipping_untuned",)}
 #: what runs on each kind: the candidates that are not composites, and `RUN_ONLY`
 VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + RUN_ONLY[kind]
@@ -296,6 +320,10 @@ def _model(variant, data, eps, seed):
         r.tau = float(variant.removesuffix("_ema")[len("clipless_tau"):]) / r.input_bound
     ema = variant.endswith("_ema")
     variant = variant.removesuffix("_ema") if r.kind == "table" else variant
+    rate = re.search(r"_lr(\d+)$", variant)  # Adam's learning rate in thousandths
+    if rate:
+        r.learning_rate = int(rate.group(1)) / 1000
+        variant = variant[:rate.start()]
     if r.kind == "table":  # the width the runs were made with: the recipe's hidden layer for
         # ``_hidden`` and by the former rule for the others (so every run stays reproducible)
         if not (variant.endswith("_hidden") or n >= FORMER_HIDDEN_MIN_ROWS):
