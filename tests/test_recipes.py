@@ -76,6 +76,10 @@ def test_rules_follow_the_public_facts():
     assert (three.method, three.width, three.clipping_norm, three.epochs) == ("clipping", 64, 1.0, 60)
     large = recipes.recipe((40,), 3, 37500, 8.0, feature_range=(0, 1))
     assert (large.method, large.width, large.epochs) == ("clipping", 128, 60)
+    # Adam 0.03 for a table's MLP (chosen on the suite), 0.01 for every other recipe
+    assert three.learning_rate == large.learning_rate == 0.03
+    assert small.learning_rate == digits.learning_rate == auto.learning_rate == 0.01
+    assert recipes.recipe(target_epsilon=1.0, **clipping).learning_rate == 0.01
     assert small.width == 128 and small.epochs == 30  # Clipless: a hidden layer at every size too
     assert recipes.recipe((30,), 2, 100, 3.0, feature_range=(0, 1), method="clipping").width == 128
     assert small.batch_size == 32 and small.delta < 1 / (10 * 100)
@@ -283,6 +287,7 @@ def test_a_binary_table_trains_with_one_output_auroc_and_probabilities(method):
     r = recipes.recipe((6,), 2, len(x), 8.0, method=method, feature_range=(0, 1))
     r.epochs = 2
     model = r.build(seed=0)
+    assert float(model.optimizer.learning_rate) == pytest.approx(r.learning_rate)
     history = model.fit(x, y, epochs=2, verbose=0)
     assert {"accuracy", "auroc"} <= set(history.history)
     logits = model.predict(x[:16], verbose=0)
