@@ -525,7 +525,8 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
             values.update(epochs=TABLE_MLP_EPOCHS, learning_rate=TABLE_MLP_LEARNING_RATE)
         rules.update(width="0 (a linear model) on scattering features; else the power of two "
                            "nearest 4 d, in [64, 512]",
-                     learning_rate="Adam 0.01; a table's MLP: Adam 0.03",
+                     learning_rate=f"Adam {LEARNING_RATE:g}; a table's MLP: Adam "
+                                   f"{TABLE_MLP_LEARNING_RATE:g}",
                      clipping_norm="1, and 0.1 from epsilon = 5 for images")
     else:
         if kind == "table":
@@ -552,7 +553,7 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
         rules.update(width="tables: the power of two nearest 4 d in [64, 512]; images: 0 (a "
                            "linear Lipschitz model) below N = 10000 and on scattering "
                            "features, else the same, no bias",
-                     learning_rate="Adam 0.01", epochs="Clipless: 30",
+                     learning_rate=f"Adam {LEARNING_RATE:g}", epochs="Clipless: 30",
                      input_bound=bound_rule,
                      tau="32 / input_bound (tau times the logits' scale = 32); tables: "
                          "64 / input_bound, one binary output from N = 1000: 128 / input_bound",
