@@ -305,9 +305,14 @@ def test_the_moving_average_rule_and_its_clamp():
     assert scattering.ema_momentum == pytest.approx(1 - 10 / (20 * 1437 / 256))
     assert recipes.recipe((8, 8), 10, 40, 8.0, features=None).ema_momentum == 0.9  # 37.5 steps
     assert recipes.recipe((8, 8), 10, 10 ** 7, 3.0).ema_momentum == 0.999
-    table = recipes.recipe((30,), 2, 100, 8.0, max_norm=5.0)
-    assert table.ema_momentum is None  # tables: no moving average (leave-one-out)
-    assert not table.build(seed=0).optimizer.use_ema
+    table = recipes.recipe((30,), 2, 4000, 8.0, max_norm=5.0)  # a table's MLP: averaged
+    assert table.method == "clipping" and table.epochs == recipes.TABLE_MLP_EPOCHS
+    assert table.ema_momentum == pytest.approx(1 - 10 / (60 * 4000 / table.batch_size))
+    optimizer = table.build(seed=0).optimizer
+    assert optimizer.use_ema and optimizer.ema_momentum == table.ema_momentum
+    clipless = recipes.recipe((30,), 2, 4000, 8.0, max_norm=5.0, method="clipless")
+    assert clipless.ema_momentum is None  # a Clipless table model: none (leave-one-out)
+    assert not clipless.build(seed=0).optimizer.use_ema
 
 
 def test_a_clipless_recipe_ends_on_its_moving_average_projected_back_onto_the_bounds():
