@@ -35,7 +35,9 @@ Set up the venvs once (Python 3.11; jax-privacy 2.0.0 does not pull keras, and
 
 Run (from the repository root; 13.5 min wall on 2 CPU cores shared with other
 jobs: 3.5 min non-private, whose MLP on gen_50k_3c is most of it, 6 s
-diffprivlib, 10 min jax-privacy)::
+diffprivlib, 10 min jax-privacy at 1e-3; its 1e-2 config on all 20 datasets
+took 51 min more, 100-160 s a run on the 28×28 sets: each rate compiles its
+own step)::
 
     python benchmarks/suite_baselines.py --dplib-python /tmp/dplenv/bin/python \\
         --jaxprivacy-python /tmp/jpenv/bin/python
