@@ -58,6 +58,7 @@ runs use one BLAS thread (``--threads``).
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -187,8 +188,7 @@ def worker_jaxprivacy(datasets, epsilons, seeds, methods=tuple(JP_LEARNING_RATES
         n = d.nb_train
         delta = suite_data.delta_for(n)
         batch_size, _, train_steps = jp_config(n)
-        for method, epsilon in ((m, e) for m in methods for e in epsilons):
-            learning_rate = JP_LEARNING_RATES[method]
+        for epsilon in epsilons:  # σ depends on the config but not on the learning rate
             base = keras_api.DPKerasConfig(
                 epsilon=epsilon, delta=delta, clipping_norm=JP_CLIP, batch_size=batch_size,
                 gradient_accumulation_steps=1, train_steps=train_steps, train_size=n,
@@ -197,11 +197,12 @@ def worker_jaxprivacy(datasets, epsilons, seeds, methods=tuple(JP_LEARNING_RATES
             with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
                 sigma = base.update_with_calibrated_noise_multiplier().noise_multiplier
             calibration = time.perf_counter() - start
-            note = (f"delta={delta:g}; b={batch_size} (Poisson, expected), {JP_EPOCHS} epochs = "
-                    f"{train_steps} steps, C={JP_CLIP}, Adam({learning_rate:g}), "
-                    f"sigma={sigma:.4f} (its PLD calibration, {calibration:.1f}s once per dataset x eps, not in seconds); "
-                    f"{versions}")
-            for seed in seeds:
+            for method, seed in itertools.product(methods, seeds):
+                learning_rate = JP_LEARNING_RATES[method]
+                note = (f"delta={delta:g}; b={batch_size} (Poisson, expected), {JP_EPOCHS} "
+                        f"epochs = {train_steps} steps, C={JP_CLIP}, Adam({learning_rate:g}), "
+                        f"sigma={sigma:.4f} (its PLD calibration, {calibration:.1f}s once per "
+                        f"dataset x eps, not in seconds); {versions}")
                 try:
                     start = time.perf_counter()
                     keras.utils.set_random_seed(seed)
