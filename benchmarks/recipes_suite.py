@@ -504,9 +504,14 @@ def run(datasets, seeds, jobs, small_table_seeds=None):
 
 
 # -- tables ----------------------------------------------------------------------------
+def _by_seed(records, dataset, method, eps, metric="accuracy"):
+    """``{seed: metric}`` of ``method`` on ``dataset`` at ``eps`` (None: non-private)."""
+    return {r["seed"]: r[metric] for r in records if r["dataset"] == dataset
+            and r["method"] == method and r["epsilon"] == eps and r.get(metric) is not None}
+
+
 def _stats(records, dataset, method, eps, metric):
-    values = [r[metric] for r in records if r["dataset"] == dataset and r["method"] == method
-              and r["epsilon"] == eps and r.get(metric) is not None]
+    values = list(_by_seed(records, dataset, method, eps, metric).values())
     return (float(np.mean(values)), float(np.std(values)), len(values)) if values else None
 
 
@@ -591,11 +596,6 @@ RULE_NOW = {"table": "clipping_hidden_every_size_ema_lr30_centred",
 def _fixed(kind):
     """The fixed kdp methods a rule of ``kind`` is compared with (the untuned config aside)."""
     return [v for v in VARIANTS[kind] if v != "clipping_untuned"]
-
-
-def _by_seed(records, dataset, method, eps):
-    return {r["seed"]: r["accuracy"] for r in records if r["dataset"] == dataset
-            and r["method"] == method and r["epsilon"] == eps}
 
 
 def gaps(records, names, rule, kind):
