@@ -341,6 +341,28 @@ def test_a_clipless_recipe_ends_on_its_moving_average_projected_back_onto_the_bo
     assert np.abs(keras.ops.convert_to_numpy(kernel) - keras.ops.convert_to_numpy(average)).max() < 0.05
 
 
+@pytest.mark.parametrize("method", ["clipping", "clipless"])
+def test_a_model_with_a_moving_average_trains_again_after_fit(method):
+    """Keras ends `fit` by assigning the average to the weights; under JAX both then
+    held one array, and the next `fit` failed ("donate the same buffer twice").
+    A second `fit` within the budget now trains, and every step is recorded."""
+    import numpy as np
+
+    from kdp.pipeline import load_digits
+
+    (x, y), _, md = load_digits()
+    r = recipes.recipe(md.input_shape, md.nb_classes, len(x), 8.0, method=method,
+                       max_norm=md.max_norm, kind="image", features=None)
+    r.epochs = 2
+    model = r.build(seed=0)
+    assert model.optimizer.use_ema
+    model.fit(x, y, epochs=1, verbose=0)
+    first = [np.array(w) for w in model.get_weights()]
+    model.fit(x, y, epochs=1, verbose=0)
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(first, model.get_weights()))
+    assert model.privacy_ledger.training_steps() == 2 * math.ceil(len(x) / r.batch_size)
+
+
 def test_overwriting_the_weights_with_their_average_during_training_is_refused():
     import keras
     import numpy as np

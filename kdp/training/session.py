@@ -203,6 +203,7 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
             # Keras ended on its moving average of the weights, which averages the updates
             # before their constraints: back onto the certified sets (post-processing).
             model.project_weights()
+            _own_buffers(model)
         if processes is not None:
             processes.verify()
         if model._budget_stop:
@@ -216,6 +217,16 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
         gate.journal = gate.processes = None
         object.__setattr__(model, "_release_per_call", None)  # untracked by Keras
         finish_releases(model)
+
+
+def _own_buffers(model):
+    """Give each trainable variable a buffer of its own after Keras ended `fit` on
+    its moving average (``var.assign(average)``): under JAX the weight and its
+    average then hold one array, which the next `fit` or `train_on_batch` would
+    donate twice and fail ("Attempt to donate the same buffer twice"; plain Keras
+    3 models fail the same way)."""
+    for v in model.trainable_variables:
+        v.assign(keras.ops.copy(v.value))
 
 
 def _check_budgets(model, callbacks, mechanism):
