@@ -93,6 +93,15 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   ``clipping_scatter_ema_lr30`` from there), declared in the ninth session
   before it ran, after 0.03 won on the tables; no fold chose it (mean
   accuracy 0.864 against 0.897: it lost at ε = 1 on every set);
+* ``clipping_cnn_ema`` / ``clipping_scatter_cnn_ema`` (images of at least 28×28
+  pixels): the image recipe's per-example clipping (its C, batch size, epochs,
+  Adam rate and moving average) on a convnet instead of a linear layer,
+  declared in the twelfth session before they ran, for the issue's convnet
+  deliverable: the end-to-end tanh CNN of DP-SGD on MNIST (Papernot et al.
+  2021, Tramèr & Boneh 2021) on the pixels moved to [-1/2, 1/2], and a small
+  tanh CNN on the normalised scattering features (Tramèr & Boneh's
+  ScatterNet + CNN); ``cnn_from_28px_ema`` / ``scatter_cnn_from_28px_ema``
+  use them from 28×28 pixels and the image rule below (`_cnn_layers`);
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
@@ -200,7 +209,8 @@ CANDIDATES = {"table": ("clipless_tau32", "clipless_tau128", "clipping", "cliple
                         "scatter_from_16px", "clipless_ema", "clipping_scatter_ema",
                         "scatter_from_16px_ema", "scatter_from_12px_ema",
                         "clipping_scatter_pixels_ema", "pixels_below_12px_ema",
-                        "pixels_below_12px_ema_lr30")}
+                        "pixels_below_12px_ema_lr30", "cnn_from_28px_ema",
+                        "scatter_cnn_from_28px_ema")}
 
 
 def _one_binary_output(data):
@@ -318,6 +328,11 @@ for _ema in ("", "_ema"):
 #: layer under-trained too? (each half runs only where the rule uses it)
 COMPOSITE["pixels_below_12px_ema_lr30"] = (_at_least(12), "clipping_scatter_ema_lr30",
                                            "clipping_scatter_pixels_ema_lr30")
+#: the image rule with a convnet from 28×28 pixels (`_cnn_layers`), end to end on the
+#: pixels or on the scattering features; declared in the twelfth session before they ran
+for _f in ("", "scatter_"):
+    COMPOSITE[f"{_f}cnn_from_28px_ema"] = (_at_least(28), f"clipping_{_f}cnn_ema",
+                                           "pixels_below_12px_ema")
 #: variants run only where their test holds (elsewhere the recipe is the plain variant's)
 ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hidden_layer_table,
               "clipping_long_ema_centred": _hidden_layer_table,
@@ -333,7 +348,8 @@ ONLY_WHERE = {"clipping_long": _hidden_layer_table, "clipping_long_centred": _hi
                  for e in ("", "_ema")},
               **{f"clipping_long{e}_cos_lr30_centred": _hidden_layer_table for e in ("", "_ema")},
               "clipping_scatter_ema_lr30": _at_least(12),
-              "clipping_scatter_pixels_ema_lr30": lambda data: not _at_least(12)(data)}
+              "clipping_scatter_pixels_ema_lr30": lambda data: not _at_least(12)(data),
+              "clipping_cnn_ema": _at_least(28), "clipping_scatter_cnn_ema": _at_least(28)}
 #: run, but no candidate by themselves (composite rules use ``clipping_long[_centred]``)
 RUN_ONLY = {"table": ("clipping_long", "clipping_long_centred", "clipping_untuned",
                       "clipless_hidden_centred", "clipping_hidden_centred",
@@ -344,13 +360,39 @@ RUN_ONLY = {"table": ("clipping_long", "clipping_long_centred", "clipping_untune
                       *(f"clipping_{m}{e}_cos_lr30_centred" for m in ("hidden", "long")
                         for e in ("", "_ema"))),
             "image": ("clipping_untuned", "clipping_scatter_ema_lr30",
-                      "clipping_scatter_pixels_ema_lr30")}
+                      "clipping_scatter_pixels_ema_lr30", "clipping_cnn_ema",
+                      "clipping_scatter_cnn_ema")}
 #: what runs on each kind: the candidates that are not composites, and `RUN_ONLY`
 VARIANTS = {kind: tuple(n for n in names if n not in COMPOSITE) + RUN_ONLY[kind]
             for kind, names in CANDIDATES.items()}
 ALL_VARIANTS = tuple(dict.fromkeys(v for names in VARIANTS.values() for v in names))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 OUT = os.path.join(RESULTS, "recipes_suite.json")
+
+
+def _cnn_layers(recipe, inputs):
+    """``(layers, loss)`` of a tanh convnet in place of the clipping recipe's
+    linear layer (``Recipe._clipping_layers``' contract). On the pixels: the
+    MNIST network of DP-SGD with tempered sigmoids (Papernot et al., AAAI 2021;
+    Tramèr & Boneh, ICLR 2021): conv 16 8×8 stride 2, max-pool 2 stride 1, conv
+    32 4×4 stride 2, max-pool 2 stride 1, dense 32, on pixels moved by −1/2 (a
+    data-independent shift). On the scattering features (``recipe.features``):
+    conv 32 3×3, max-pool 2, conv 32 3×3, then the linear layer."""
+    import keras
+
+    L = keras.layers
+    if recipe.features:
+        body = [L.Conv2D(32, 3, padding="same", activation="tanh"), L.MaxPooling2D(2),
+                L.Conv2D(32, 3, padding="same", activation="tanh"), L.Flatten()]
+    else:
+        grid = recipe.image_grid
+        body = [L.Reshape(grid if len(grid) == 3 else (*grid, 1)), L.Rescaling(1.0, offset=-0.5),
+                L.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
+                L.MaxPooling2D(2, strides=1),
+                L.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
+                L.MaxPooling2D(2, strides=1), L.Flatten(), L.Dense(32, activation="tanh")]
+    return ([*inputs, *body, L.Dense(recipe.outputs)],
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
 def _model(variant, data, eps, seed):
@@ -411,6 +453,8 @@ def _model(variant, data, eps, seed):
             r.learning_rate, decay_steps=r.epochs * math.ceil(n / r.batch_size))
     elif not ema:  # the recipe without its moving average of the weights
         r.ema_momentum = None
+    if "_cnn" in variant:  # the recipe's schedule on a convnet (its instance's layers only)
+        r._clipping_layers = lambda inputs: _cnn_layers(r, inputs)
     if not r.features:
         return r.build(seed=seed), r.epochs, (suite_data.centre if centred else lambda x: x)
     extractor = r.feature_extractor()

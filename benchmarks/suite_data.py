@@ -62,7 +62,9 @@ every seed (seeds vary the training only).
 import dataclasses
 import functools
 import importlib.util
+import json
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -335,13 +337,38 @@ DATASETS = {
 SMALL = ("digits", "breast_cancer", "wine", "iris")
 
 
+#: an environment variable naming a folder of saved datasets (`load`)
+CACHE_VARIABLE = "SUITE_DATA_CACHE"
+#: the array fields of `SuiteData` (the others are saved as JSON)
+_ARRAYS = ("x_train", "y_train", "x_test", "y_test", "low", "high")
+
+
 @functools.lru_cache(maxsize=None)
 def load(name):
-    """The `SuiteData` called ``name`` (cached: treat its arrays as read-only)."""
-    try:
+    """The `SuiteData` called ``name`` (cached: treat its arrays as read-only).
+
+    Where the environment variable `CACHE_VARIABLE` names a folder, the dataset is
+    read from ``<folder>/<name>.npz`` when that file exists, and otherwise built
+    and saved there. The generated images are drawn with the fonts of the
+    installed matplotlib, so the saved arrays carry the very same rows to a
+    machine with another version."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; one of {sorted(DATASETS)}")
+    folder = os.environ.get(CACHE_VARIABLE)
+    if not folder:
         return DATASETS[name]()
-    except KeyError:
-        raise ValueError(f"unknown dataset {name!r}; one of {sorted(DATASETS)}") from None
+    path = pathlib.Path(folder) / f"{name}.npz"
+    if path.exists():
+        with np.load(path) as saved:
+            meta = json.loads(str(saved["meta"]))
+            return SuiteData(**{k: saved[k] for k in _ARRAYS}, **meta | dict(
+                input_shape=tuple(meta["input_shape"])))
+    data = DATASETS[name]()
+    meta = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)
+            if f.name not in _ARRAYS}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, meta=json.dumps(meta), **{k: getattr(data, k) for k in _ARRAYS})
+    return data
 
 
 def delta_for(n):
