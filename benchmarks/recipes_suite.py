@@ -101,7 +101,10 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   2021, Tramèr & Boneh 2021) on the pixels moved to [-1/2, 1/2], and a small
   tanh CNN on the normalised scattering features (Tramèr & Boneh's
   ScatterNet + CNN); ``cnn_from_28px_ema`` / ``scatter_cnn_from_28px_ema``
-  use them from 28×28 pixels and the image rule below (`_cnn_layers`);
+  use them from 28×28 pixels and the image rule below (`_cnn_layers`). No
+  fold chose them: both lost to the rule's linear layer on the scattering
+  features at every ε on both 28×28 sets (run on a GPU: their records carry a
+  ``device``; every other run is on a 2-core CPU);
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
   per-example clipping on an MLP ``Dense(128, relu) → Dense(classes)``,
   C = 1, b = min(256, N/4), Adam 1e-3, 20 epochs, σ by ``make_private``
