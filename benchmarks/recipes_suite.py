@@ -2,7 +2,8 @@
 
 Runs, at ε = 1, 3, 8 and seeds 0, 1, 2 (0 to 9 on the tables of fewer than
 1,000 training rows, whose test sets of 38 to 143 rows leave a 3-seed mean an sd
-of about 0.02, twice the 0.01 the rules are judged by; the seed fixes the
+of about 0.02, twice the 0.01 the rules are judged by, and on gen_4k_2c,
+`MORE_SEEDS`; the seed fixes the
 initialisation; the noise comes from the OS entropy), on the datasets of `suite_data` (scikit-learn's
 digits, breast_cancer, wine, iris, nine generated tables and seven generated
 image sets of 8×8 to 28×28 pixels; nothing is downloaded):
@@ -520,17 +521,29 @@ def load_results(path=None):
 
 #: the tables given more seeds (`main`'s ``--small-table-seeds``): fewer training rows than this
 SMALL_TABLE_ROWS = 1_000
-_small_table = _table_rows(below=SMALL_TABLE_ROWS)
+#: larger tables given those seeds too. gen_4k_2c: declared in the thirteenth session before
+#: its seeds 3-9 ran, every variant. Its cell at ε = 1 is where the issue's generated-set
+#: target ("within 0.01 of the best method") was missed by most: the rule 0.813 against
+#: 0.832 for the same MLP without the moving average, a gap of 0.019 measured on 3 seeds
+#: whose sd is 0.008-0.013, so the gap's standard error is about 0.01. Whatever the
+#: 10 seeds show is what the tables report.
+MORE_SEEDS = ("gen_4k_2c",)
+
+
+def _more_seeds(data):
+    """Whether ``data`` gets `main`'s ``--small-table-seeds``."""
+    return _table_rows(below=SMALL_TABLE_ROWS)(data) or data.name in MORE_SEEDS
 
 
 def run(datasets, seeds, jobs, small_table_seeds=None):
     """Run every variant of ``datasets`` at every ε for ``seeds`` seeds
-    (``small_table_seeds`` on the tables of fewer than `SMALL_TABLE_ROWS` rows)
+    (``small_table_seeds`` on the tables of fewer than `SMALL_TABLE_ROWS` rows and on
+    `MORE_SEEDS`)
     that ``results/recipes_suite.json`` does not hold yet."""
     done = {_key(r) for r in load_results()}
 
     def seeds_of(d):
-        return small_table_seeds if small_table_seeds and _small_table(suite_data.load(d)) else seeds
+        return small_table_seeds if small_table_seeds and _more_seeds(suite_data.load(d)) else seeds
 
     tasks = [(d, v, e, s) for d in datasets
              for v in VARIANTS[suite_data.load(d).kind]
@@ -799,7 +812,8 @@ def main():
     parser.add_argument("--datasets", default=",".join(suite_data.DATASETS))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--small-table-seeds", type=int, default=10,
-                        help="seeds on the tables of fewer than 1,000 training rows")
+                        help="seeds on the tables of fewer than 1,000 training rows and "
+                             "on MORE_SEEDS")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
