@@ -581,6 +581,13 @@ def _stats(records, dataset, method, eps, metric):
     return (float(np.mean(values)), float(np.std(values)), len(values)) if values else None
 
 
+def _best(records, dataset, methods, eps):
+    """The one of ``methods`` with the best mean accuracy on ``dataset`` at ``eps``
+    (among those run there)."""
+    return max((m for m in methods if _stats(records, dataset, m, eps, "accuracy")),
+               key=lambda m: _stats(records, dataset, m, eps, "accuracy")[0])
+
+
 def _score(records, dataset, method):
     """Mean over ε and seeds of accuracy + AUROC (the rules' selection score)."""
     values = [r["accuracy"] + r["auroc"] for r in records
@@ -721,11 +728,9 @@ def _behind_best(records, names, kind):
     rows = []
     for d in names:
         for eps in EPSILONS:
-            runs = {m: list(_by_seed(records, d, m, eps).values())
-                    for m in (*_fixed(kind), *PEERS)}
-            best = max((m for m in runs if runs[m]), key=lambda m: np.mean(runs[m]))
-            rule = list(_by_seed(records, d, RULE_NOW[kind], eps).values())
-            rows.append((d, eps, best, *_interval(runs[best], rule)))
+            best = _best(records, d, (*_fixed(kind), *PEERS), eps)
+            runs = [list(_by_seed(records, d, m, eps).values()) for m in (best, RULE_NOW[kind])]
+            rows.append((d, eps, best, *_interval(*runs)))
     return rows
 
 
@@ -808,7 +813,7 @@ def summary(records, datasets, chosen, kind):
             return " / ".join(f"{v[0]:.3f} ± {v[1]:.3f}" for v in shown)
 
         for eps in EPSILONS:
-            best = max(fixed, key=lambda v: (_stats(records, d, v, eps, "accuracy") or (-1,))[0])
+            best = _best(records, d, fixed, eps)
             pick = chosen.get(d)
             lines.append(
                 f"| {d} ({data.nb_train}, {data.nb_classes}) | {eps:g} | {cell(RULE_NOW[kind], eps)} "
