@@ -7,8 +7,8 @@ column by column:
 
 * `Numeric(low, high, transform=None, missing=None)`: the value is clipped to
   the declared range, transformed (``"log1p"``, ``"sqrt"`` or a non-decreasing
-  callable, applied to the value and to both ends) and mapped affinely onto
-  [0, 1]: one feature;
+  callable, called on that value alone and on both ends) and mapped affinely
+  onto [0, 1]: one feature;
 * `Categorical(levels, unknown="zero")`: a one-hot block over the declared
   levels (an undeclared value, missing ones included, gives an all-zero block,
   or an error with ``unknown="error"``); a boolean column is
@@ -53,6 +53,21 @@ import math
 import numpy as np
 
 _TRANSFORMS = {"log1p": np.log1p, "sqrt": np.sqrt}
+_ONE_VALUE = ("a callable transform is called on one value at a time, so it must be a function "
+              "of that value alone: standardise with declared constants, e.g. "
+              "lambda v: (v - 120.0) / 15.0, never with the column's mean or std")
+
+
+def _per_value(fn, values):
+    """``fn`` called on each of ``values`` alone (a float64 scalar): one number each."""
+    out = np.empty(len(values), dtype="float64")
+    for i, v in enumerate(values):
+        try:
+            out[i] = np.asarray(fn(np.float64(v)), dtype="float64").item()
+        except Exception as e:  # noqa: BLE001 (any failure of a user's callable)
+            raise ValueError(f"the transform failed on the value {float(v)!r} "
+                             f"({type(e).__name__}: {e}); {_ONE_VALUE}") from e
+    return out
 
 
 class Numeric:
@@ -66,10 +81,14 @@ class Numeric:
         low, high: the declared range, finite, ``low < high``; never computed
             from the private data.
         transform: ``None`` (identity), ``"log1p"`` (``low > -1``), ``"sqrt"``
-            (``low >= 0``), or a callable mapping a float64 array elementwise,
-            non-decreasing on ``[low, high]`` with ``t(low) < t(high)`` finite
-            (a callable is not saved by `get_config`). The result is clipped to
-            [0, 1] as well, so the bound holds whatever the callable does.
+            (``low >= 0``), or a callable of one number, non-decreasing on
+            ``[low, high]`` with ``t(low) < t(high)`` finite (a callable is not
+            saved by `get_config`). A callable is called on each value alone
+            (a float64 scalar), never on the column, so one row's feature
+            cannot depend on another's: a transform that reads the column (its
+            mean, std or ranks) sees a single value and is refused. The result
+            is clipped to [0, 1] as well, so the bound holds whatever the
+            callable does.
         missing: the value, in ``[low, high]``, that replaces a missing value
             (NaN, None, pandas NA). Without it a missing value is refused.
     """
@@ -82,8 +101,10 @@ class Numeric:
             raise ValueError(f"Numeric needs finite low < high, got low={low}, high={high}")
         if isinstance(transform, str) and transform in _TRANSFORMS:
             self._fn = _TRANSFORMS[transform]
-        elif transform is None or callable(transform):
-            self._fn = transform or (lambda x: x)
+        elif transform is None:
+            self._fn = lambda x: x
+        elif callable(transform):
+            self._fn = lambda x: _per_value(transform, x)
         else:
             raise ValueError(f"transform must be None, {sorted(_TRANSFORMS)} or a callable, "
                              f"got {transform!r}")
@@ -93,7 +114,8 @@ class Numeric:
         if not (np.all(np.isfinite(self._ends)) and self._ends[0] < self._ends[1]):
             raise ValueError(
                 f"transform={transform!r} must be finite and increasing from low={low} to "
-                f"high={high}, got {self._ends.tolist()} ('log1p' needs low > -1, 'sqrt' low >= 0)")
+                f"high={high}, got {self._ends.tolist()}: " + (
+                    _ONE_VALUE if callable(transform) else "'log1p' needs low > -1, 'sqrt' low >= 0"))
         self.missing = None if missing is None else float(missing)
         if self.missing is not None and not self.low <= self.missing <= self.high:
             raise ValueError(f"missing={missing} must lie in the range [{low}, {high}]")
@@ -127,7 +149,10 @@ class Numeric:
                     "(0-based position); declare a fill value in the range, "
                     "Numeric(..., missing=value), or drop the row")
             x = np.where(nan, self.missing, x)
-        t = np.asarray(self._fn(np.clip(x, self.low, self.high)), dtype="float64")
+        try:
+            t = np.asarray(self._fn(np.clip(x, self.low, self.high)), dtype="float64")
+        except ValueError as e:
+            raise ValueError(f"column {name!r}: {e}") from e
         if not np.all(np.isfinite(t)):
             raise ValueError(f"column {name!r}: the transform gave a non-finite value in the range")
         lo, hi = self._ends

@@ -166,6 +166,30 @@ def test_a_monotone_callable_transform():
         s.get_config()
 
 
+def test_a_callable_transform_is_applied_per_value():
+    """A callable sees one value at a time, so a row's feature cannot depend on
+    another row: with a transform that adds a thousandth of whatever it is given's
+    mean, changing row 1 leaves row 0 unchanged, and each feature is the callable
+    of its own value. A standardiser by the column's mean and std is refused
+    (one value has no spread), naming the fix; a callable that fails on one
+    value names the column."""
+    def leaky(v):
+        return np.log1p(v) + 1e-3 * np.mean(v)
+
+    s = TabularSchema({"a": Numeric(0, 100, transform=leaky)}, centre=False)
+    x = s.transform({"a": [10.0, 20.0, 30.0]})[:, 0]
+    y = s.transform({"a": [10.0, 90.0, 30.0]})[:, 0]
+    assert x[0] == y[0] and x[2] == y[2] and x[1] != y[1]
+    ends = [leaky(0.0), leaky(100.0)]
+    np.testing.assert_allclose(x, [(leaky(v) - ends[0]) / (ends[1] - ends[0]) for v in (10, 20, 30)],
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="one value at a time.*declared constants"):
+        Numeric(0, 10, transform=lambda v: (v - np.mean(v)) / np.std(v))
+    partial = TabularSchema({"b": Numeric(0, 10, transform=lambda v: {0.0: 0.0, 10.0: 1.0}[v])})
+    with pytest.raises(ValueError, match="column 'b': the transform failed on the value 5.0"):
+        partial.transform({"b": [0.0, 5.0]})
+
+
 def test_the_config_round_trips_through_json():
     s = TabularSchema({0: Numeric(0, 10, "sqrt", missing=1), "c": Categorical([2, "2", None], "error")},
                       label=("y", [0, 1]), ignore=["id"])
