@@ -139,3 +139,32 @@ def test_privacy_statement_states_the_ledger_and_its_limits():
         assert eps == pytest.approx(_epsilon(_by_hand_sigma_eff(model), steps, delta), rel=1e-3)
     for limit in ("hyper-parameter search", "preprocessing", "metrics"):
         assert limit in text
+
+
+def test_the_statement_declares_n_public_and_gives_the_replace_one_epsilon():
+    """N is released (the statement, the config, q = b/N), which add/remove-one
+    neighbours tell apart: the statement says N and what derives from it are
+    public, and gives ε under replace-one adjacency (same-size neighbours) for
+    when N must stay private, as dp-accounting's PLD computes it by hand (larger
+    than the add/remove ε). A release without sampling is said to be over-counted
+    there; an event PLD cannot account under replace-one gets no number."""
+    from kdp.training import statement
+
+    model = _model("global", sigma=1.5)
+    model.fit(*_data(), epochs=2, verbose=0)
+    text = model.privacy_statement()
+    assert f"N = {N} and what is derived from it (q = b/N" in text
+    assert "treated as public" in text and "already knows N" in text
+    replace_one = float(re.search(r"replace-one adjacency \(N kept private\): ε = ([0-9.e+-]+) "
+                                  r"at the model's δ \(privacy-loss distributions\)\.", text)[1])
+    acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE,
+                                          value_discretization_interval=privacy.PLD_DISCRETIZATION)
+    steps = model.privacy_ledger.training_steps()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(B / N, dp_accounting.GaussianDpEvent(1.5)), steps)
+    assert replace_one == pytest.approx(acc.get_epsilon(DELTA), rel=1e-2)
+    assert replace_one > 1.2 * model.privacy_spent()[0]
+    unsampled = statement._replace_one([dp_accounting.GaussianDpEvent(2.0)], DELTA)
+    assert "counted at twice its sensitivity" in unsampled
+    select = dp_accounting.dp_event.RepeatAndSelectDpEvent(
+        dp_accounting.GaussianDpEvent(2.0), 3.0, 1.0)
+    assert "not computed" in statement._replace_one([select], DELTA)

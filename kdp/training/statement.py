@@ -1,12 +1,17 @@
 """A DP model's privacy statement: a text for a model card (in the spirit of
 TensorFlow Privacy's ``compute_dp_sgd_privacy_statement``).
 
-It states what the guarantee is about (mechanism, adjacency, sampling), what
-the ledger holds (steps and other releases), ε at the model's δ and at two
-smaller δ, and what the guarantee does **not** cover.
+It states what the guarantee is about (mechanism, adjacency, sampling), which
+facts it treats as public (N and what is derived from it, the architecture,
+the hyper-parameters, the declared bounds), what the ledger holds (steps and
+other releases), ε at the model's δ and at two smaller δ, ε under replace-one
+adjacency (where N must stay private), and what the guarantee does **not**
+cover.
 """
 
 from collections import Counter
+
+import dp_accounting
 
 from kdp import privacy
 
@@ -45,6 +50,7 @@ def privacy_statement(model, accountant=None):
              "Mechanism: " + _mechanism(model), "",
              "Adjacency: " + _adjacency(ledger, params.sampling), "",
              "Sampling: " + _sampling(md, params.sampling), "",
+             "Public facts: " + _public_facts(md), "",
              "Releases in the privacy ledger: " + _releases(ledger), ""]
     if events:
         delta = params.delta
@@ -55,6 +61,8 @@ def privacy_statement(model, accountant=None):
             eps = privacy.epsilon_of_events(events, d, accountant, gate.neighboring)
             note = " (the model's δ)" if d == delta else ""
             lines.append(f"  ε = {eps:.4g} at δ = {d:.3g}{note}")
+        if gate.neighboring == privacy.ADD_OR_REMOVE_ONE:
+            lines.append(_replace_one(events, delta))
     else:
         lines.append("Privacy spent: nothing yet (ε = 0): no private release was made.")
     lines += ["", "Not covered by this guarantee:"] + [f"  - {item}" for item in NOT_COVERED]
@@ -88,6 +96,41 @@ def _adjacency(ledger, sampling):
         text += ("; shuffled batches are accounted under replace-one adjacency "
                  "(sensitivity doubled), one Gaussian release per pass")
     return text + "."
+
+
+def _public_facts(md):
+    return (f"the number of training records N = {md.nb_samples_train} and what is derived "
+            "from it (q = b/N, the expected batch size b, δ, the steps of a pass), the "
+            "architecture, the hyper-parameters and the declared input bound (max_norm = "
+            f"{md.max_norm}) and feature ranges are treated as public: they are released "
+            "without noise (in the saved model's config and in this statement), so none may "
+            "be a statistic of the private records (kdp's loaders and recipes use none). "
+            "Add/remove-one neighbours differ in N, so the ε below holds for an observer who "
+            "already knows N; where N must stay private, use the replace-one ε (neighbours of "
+            "the same size), given with it.")
+
+
+def _replace_one(events, delta):
+    """The line giving ε under replace-one adjacency (PLD), or saying why it cannot."""
+    unsupported = privacy.pld_unsupported(events, privacy.REPLACE_ONE)
+    if unsupported:
+        return ("  Under replace-one adjacency (N kept private): not computed; dp-accounting "
+                f"accounts a {type(unsupported[0]).__name__} under it in neither PLD nor, with "
+                "Poisson sampling, RDP.")
+    eps = privacy.epsilon_of_events(events, delta, "pld", privacy.REPLACE_ONE)
+    note = ("; a release without sampling is counted at twice its sensitivity, so this "
+            "over-states it" if any(_unsampled_gaussian(e) for e in events) else "")
+    return (f"  Under replace-one adjacency (N kept private): ε = {eps:.4g} at the model's δ "
+            f"(privacy-loss distributions{note}).")
+
+
+def _unsampled_gaussian(event):
+    """Whether ``event`` holds a Gaussian release outside a Poisson sample."""
+    while isinstance(event, dp_accounting.SelfComposedDpEvent):
+        event = event.event
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_unsampled_gaussian(e) for e in event.events)
+    return isinstance(event, dp_accounting.GaussianDpEvent)
 
 
 def _sampling(md, sampling):
