@@ -5,7 +5,7 @@ method); nothing here is tuned on the data. Protocol: the loaders' 80/20
 stratified split (seed 0), δ = 1e-5, test accuracy, mean ± std over seeds
 (initialisation seeds; the DP noise always uses the OS entropy). digits is the
 data the rules were set on; the tables (breast_cancer, wine, iris: columns
-mapped by their published ranges) are a check on data they were not.
+mapped by declared domain ranges) are a check on data they were not.
 
     KERAS_BACKEND=jax python benchmarks/recipes_digits.py [--methods clipping clipless]
         [--datasets digits breast_cancer wine iris] [--seeds 3] [--epsilons 1 3 8]

@@ -13,11 +13,9 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
 
 * digits: pixels / 16 (the 8x8 images' intensities are 0..16 by construction);
   ``input_shape = (8, 8)`` (the model flattens), ``max_norm = 8``.
-* breast_cancer, wine, iris: the per-feature Min / Max of the "Summary
-  Statistics" table in each dataset's documentation (scikit-learn's ``DESCR``,
-  copied from the UCI documentation), read from ``kdp/published_ranges.py``.
-  The published numbers are rounded, so a few values fall just outside and are
-  clipped.
+* breast_cancer, wine, iris: declared domain ranges, stated from what each
+  column measures (round numbers beyond every record, not the records' min or
+  max), read from ``kdp/domain_ranges.py``.
 * gen_*: ``make_classification(n_features=20, n_informative=5, n_redundant=2)``
   (``gen_2k_10c``: ``n_informative=10``; ``gen_20k_5c``: 8, five classes
   40/25/15/12/8 %, added with the ``clipping_long`` variant as a second large
@@ -76,19 +74,19 @@ TEST_SIZE = 0.25
 SPLIT_SEED = 0
 
 # --- public ranges ---------------------------------------------------------
-def _published_ranges():
-    """``kdp/published_ranges.py`` read from its file, without importing kdp (the
-    baselines' environments do not install it): the per-column Min / Max that
-    the UCI documentation (scikit-learn's ``DESCR``) publishes for breast_cancer,
-    wine and iris, the same constants `kdp.datasets` maps those tables with."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "kdp" / "published_ranges.py"
-    spec = importlib.util.spec_from_file_location("kdp_published_ranges", path)
+def _domain_ranges():
+    """``kdp/domain_ranges.py`` read from its file, without importing kdp (the
+    baselines' environments do not install it): the declared per-column ranges
+    of breast_cancer, wine and iris, the same constants `kdp.datasets` maps
+    those tables with."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "kdp" / "domain_ranges.py"
+    spec = importlib.util.spec_from_file_location("kdp_domain_ranges", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_RANGES = _published_ranges()
+_RANGES = _domain_ranges()
 BREAST_CANCER_RANGES, WINE_RANGES, IRIS_RANGES = _RANGES.BREAST_CANCER, _RANGES.WINE, _RANGES.IRIS
 
 #: declared range of every generated feature (a design choice, hence public)
@@ -313,11 +311,11 @@ DATASETS = {
                                         seed=16, side=16),
     "breast_cancer": lambda: _table(
         "breast_cancer", skdatasets.load_breast_cancer, BREAST_CANCER_RANGES,
-        "sklearn load_breast_cancer (569 x 30), DESCR min/max"),
+        "sklearn load_breast_cancer (569 x 30), declared domain ranges"),
     "wine": lambda: _table("wine", skdatasets.load_wine, WINE_RANGES,
-                           "sklearn load_wine (178 x 13), DESCR min/max"),
+                           "sklearn load_wine (178 x 13), declared domain ranges"),
     "iris": lambda: _table("iris", skdatasets.load_iris, IRIS_RANGES,
-                           "sklearn load_iris (150 x 4), DESCR min/max"),
+                           "sklearn load_iris (150 x 4), declared domain ranges"),
     "gen_500_bal": lambda: _generated("gen_500_bal", 500, 2, None, random_state=500),
     "gen_5k_imb": lambda: _generated("gen_5k_imb", 5_000, 2, [0.9, 0.1], random_state=5_000),
     "gen_50k_3c": lambda: _generated("gen_50k_3c", 50_000, 3, [0.6, 0.3, 0.1], random_state=50_000),

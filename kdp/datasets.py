@@ -6,7 +6,7 @@ Every loader returns ``(x_train, y_train), (x_test, y_test), metadata`` with
 
 All preprocessing is **data independent**: each example is transformed on its
 own by a fixed public map (pixels divided by their maximum value 16 or 255,
-a table's columns mapped from their published ranges onto [-1/2, 1/2],
+a table's columns mapped from declared domain ranges onto [-1/2, 1/2],
 optional per-example clipping or normalisation). No mean, standard deviation,
 min or max is ever computed from the data, so preprocessing costs no privacy.
 The norm bound is either the bound of the input domain (``√d`` for pixels in
@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from kdp import published_ranges
+from kdp import domain_ranges
 from kdp.metadata import DatasetMetadata, bound_clip_value, bound_normalize
 
 DIGITS_CLASSES = [str(i) for i in range(10)]
@@ -126,7 +126,7 @@ def load_digits(batch_size=256, input_bound=None, flatten=True, test_size=0.2, s
 
 def table_schema(name):
     """The `TabularSchema` kdp maps a scikit-learn bundled table with: one
-    `Numeric` column per measurement, over its published range (`published_ranges`),
+    `Numeric` column per measurement, over its declared domain (`domain_ranges`),
     centred (each feature in [-1/2, 1/2], ``max_norm = √d / 2``).
 
     Args:
@@ -136,12 +136,12 @@ def table_schema(name):
 
 
 def _bundled(name):
-    """scikit-learn's bundled table ``name``, refused without published ranges."""
+    """scikit-learn's bundled table ``name``, refused without declared ranges."""
     from sklearn import datasets
 
-    if name not in published_ranges.RANGES:
+    if name not in domain_ranges.RANGES:
         raise ValueError(
-            f"no published ranges for {name!r}; one of {sorted(published_ranges.RANGES)}")
+            f"no declared ranges for {name!r}; one of {sorted(domain_ranges.RANGES)}")
     return getattr(datasets, f"load_{name}")()
 
 
@@ -149,7 +149,7 @@ def _schema(name, feature_names):
     from kdp.tabular import Numeric, TabularSchema
 
     return TabularSchema({str(column): Numeric(low, high) for column, (low, high)
-                          in zip(feature_names, published_ranges.RANGES[name])})
+                          in zip(feature_names, domain_ranges.RANGES[name])})
 
 
 def _load_table(name, batch_size, input_bound, test_size, seed):
@@ -165,10 +165,11 @@ def _load_table(name, batch_size, input_bound, test_size, seed):
 
 _TABLE_DOC = """scikit-learn's bundled {title} ({shape}; no download).
 
-    Every column is mapped from the range its documentation publishes (UCI;
-    `published_ranges`) onto [0, 1], clipped, and centred to [-1/2, 1/2]
-    (`table_schema`): a fixed public map, so the features cost no privacy, and
-    ``metadata.max_norm = √{d} / 2`` unless ``input_bound`` sets a smaller one.
+    Every column is mapped from a declared domain range (`domain_ranges`: stated
+    from what the column measures, not from the records) onto [0, 1], clipped,
+    and centred to [-1/2, 1/2] (`table_schema`): a fixed public map, so the
+    features cost no privacy, and ``metadata.max_norm = √{d} / 2`` unless
+    ``input_bound`` sets a smaller one.
     Train a recipe on them with ``kind="table", max_norm=metadata.max_norm``.
 
     Args:

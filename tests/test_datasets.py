@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kdp import datasets, published_ranges
+from kdp import datasets, domain_ranges
 from kdp.pipeline import DatasetMetadata
 
 
@@ -77,9 +77,9 @@ def test_digits_images_and_input_bounds():
     ("wine", (142, 13), ["class_0", "class_1", "class_2"]),
     ("iris", (120, 4), ["setosa", "versicolor", "virginica"]),
 ])
-def test_a_bundled_table_is_mapped_by_its_published_ranges(name, shape, classes):
+def test_a_bundled_table_is_mapped_by_its_declared_ranges(name, shape, classes):
     """Each column is (raw - low) / (high - low), clipped to [0, 1], minus 1/2, with
-    the documentation's range (recomputed here from the raw data), and the bound is
+    the declared range (recomputed here from the raw data), and the bound is
     √d / 2. Negative control: the raw measurements, or their log1p (the former
     breast_cancer loader), are not what the loader returns."""
     from sklearn import datasets as raw
@@ -89,12 +89,11 @@ def test_a_bundled_table_is_mapped_by_its_published_ranges(name, shape, classes)
     assert md.class_names == classes and md.nb_classes == len(classes)
     assert md.max_norm == pytest.approx(np.sqrt(shape[1]) / 2)
     assert _norms(x).max() <= md.max_norm + 1e-6 and _norms(xt).max() <= md.max_norm + 1e-6
-    ranges = np.asarray(published_ranges.RANGES[name])
+    ranges = np.asarray(domain_ranges.RANGES[name])
     data = getattr(raw, f"load_{name}")()
     expected = np.clip((data.data - ranges[:, 0]) / (ranges[:, 1] - ranges[:, 0]), 0, 1) - 0.5
     pool = np.sort(np.concatenate([x, xt]), axis=0)
     np.testing.assert_allclose(pool, np.sort(expected, axis=0), atol=1e-6)
-    assert (np.abs(expected) == 0.5).any(axis=0).mean() > 0.5  # the ranges are tight, so used
     for wrong in (data.data, np.log1p(data.data)):
         assert not np.allclose(pool, np.sort(wrong, axis=0), atol=1e-3)
     # the split is stratified
@@ -105,13 +104,42 @@ def test_a_bundled_table_is_mapped_by_its_published_ranges(name, shape, classes)
         str(c) for c in data.feature_names]
 
 
+@pytest.mark.parametrize("name", sorted(domain_ranges.RANGES))
+def test_the_declared_ranges_are_not_statistics_of_the_records(name):
+    """Every record (train and test rows) lies inside its column's range, and each
+    end is a natural zero or lies beyond the records by at least a tenth of the
+    range: no end is a record's minimum or maximum, and no row sits at an end
+    but at a natural zero (concavity, concave points). Negative control: the
+    records' own min and max (the documentation's Min / Max, which these ranges
+    replaced, up to its rounding) fail it."""
+    from sklearn import datasets as raw
+
+    x = getattr(raw, f"load_{name}")().data
+    ranges = np.asarray(domain_ranges.RANGES[name])
+    assert ranges.shape == (x.shape[1], 2)
+
+    def violations(ranges):
+        low, high = ranges[:, 0], ranges[:, 1]
+        margin = 0.1 * (high - low)
+        bad_low = ~((low == 0) & (x.min(0) >= 0) | (x.min(0) - low >= margin))
+        bad_high = high - x.max(0) < margin
+        return int(bad_low.sum() + bad_high.sum())
+
+    assert violations(ranges) == 0
+    assert ((x >= ranges[:, 0]) & (x <= ranges[:, 1])).all()
+    at_an_end = (x == ranges[:, 1]) | ((x == ranges[:, 0]) & (ranges[:, 0] != 0))
+    assert not at_an_end.any()
+    documented = np.stack([x.min(0), x.max(0)], axis=1)
+    assert violations(documented) == 2 * x.shape[1] - int((x.min(0) == 0).sum())
+
+
 def test_a_table_loader_takes_an_input_bound_and_refuses_an_unknown_table():
     (x, _), _, md = datasets.load_breast_cancer(input_bound="normalize")
     np.testing.assert_allclose(_norms(x), 1.0, atol=1e-5)
     assert md.max_norm == 1.0
     (x, _), _, md = datasets.load_iris(input_bound=0.5)
     assert md.max_norm == 0.5 and _norms(x).max() <= 0.5 + 1e-6
-    with pytest.raises(ValueError, match="no published ranges for 'diabetes'"):
+    with pytest.raises(ValueError, match="no declared ranges for 'diabetes'"):
         datasets.table_schema("diabetes")
 
 

@@ -2,7 +2,7 @@
 
 The layers, lowest first; a module may import its own layer and those below:
 
-0. `kdp._quiet`, `kdp.compat`, `kdp._reader_processes`, `kdp.published_ranges`:
+0. `kdp._quiet`, `kdp.compat`, `kdp._reader_processes`, `kdp.domain_ranges`:
    leaves (a logging filter, lip-dp's refused names, what a reader process
    imports, constants);
 1. `kdp.privacy`: pure privacy maths on dp-accounting events (no model, no Keras);
@@ -33,7 +33,7 @@ import pathlib
 import kdp
 
 LAYERS = (
-    ("kdp._quiet", "kdp.compat", "kdp._reader_processes", "kdp.published_ranges"),
+    ("kdp._quiet", "kdp.compat", "kdp._reader_processes", "kdp.domain_ranges"),
     ("kdp.privacy",),
     ("kdp.distribute", "kdp.lipschitz", "kdp.metadata", "kdp.datasets", "kdp.tabular",
      "kdp.autodiff",
