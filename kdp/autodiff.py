@@ -85,27 +85,6 @@ def host_check(check, after):
     return keras.ops.convert_to_tensor(call())
 
 
-def trace_shapes(fn, shape, dtype):
-    """Run ``fn`` on an abstract tensor of static ``shape`` (shapes only, no compute).
-
-    ``jax.eval_shape`` / a `tf.function` trace; ``fn``'s side effects (e.g.
-    recorded intermediate tensors, whose static shapes can be read) happen
-    once, inside the trace. Usable eagerly and inside a traced training step.
-    """
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        jax.eval_shape(fn, jax.ShapeDtypeStruct(tuple(shape), dtype))
-        return
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        tf.function(fn, autograph=False).get_concrete_function(tf.TensorSpec(tuple(shape), dtype))
-        return
-    raise NotImplementedError(f"trace_shapes supports jax and tensorflow, not {backend!r}")
-
-
 def evaluate_shapes(fn, *args):
     """``fn(*args)`` for its shapes and errors: on JAX traced on abstract
     tensors of ``args``' shapes and dtypes (``jax.eval_shape``: no compute,
@@ -172,78 +151,28 @@ def _per_example_gradients(model, loss, x, y):
     return {v.path: g for v, g in zip(variables, grads)}
 
 
-def probe_cotangents(forward, cotangent):
-    """Cotangents at chosen intermediate tensors, with one forward and one backward pass.
+def weighted_per_example_gradients(model, forward, x, y, weights, variables):
+    """Each example run alone, as a batch of one, vectorized over the batch.
 
-    ``forward(probe)`` runs a computation and returns ``(values, aux)``; inside it,
-    every tensor ``z`` whose cotangent is wanted is replaced by ``probe(z)``
-    (which returns ``z + p`` for a zero tensor ``p`` shaped like ``z``, one per
-    call, in call order). ``aux`` holds whatever the caller needs from the
-    forward pass (e.g. layer inputs); under JAX it must be returned, not kept
-    on the side.
-
-    Returns:
-        ``(values, aux, cotangents)``: ``cotangents[k] = ∂⟨cotangent, values⟩/∂p_k``,
-        i.e. the cotangent of the ``k``-th probed tensor.
-    """
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        shapes = []
-
-        def record(z):
-            shapes.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
-            return z
-
-        jax.eval_shape(lambda: forward(record))  # abstract: shapes only, no compute
-
-        def probed(probes):
-            it = iter(probes)
-            return forward(lambda z: z + next(it))
-
-        zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-        values, vjp_fn, aux = jax.vjp(probed, zeros, has_aux=True)
-        (cotangents,) = vjp_fn(jnp.asarray(cotangent, values.dtype).reshape(values.shape))
-        return values, aux, list(cotangents)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        probes = []
-        with tf.GradientTape() as tape:
-
-            def probe(z):
-                p = tf.zeros_like(z)
-                tape.watch(p)
-                probes.append(p)
-                return z + p
-
-            values, aux = forward(probe)
-        cotangents = tape.gradient(
-            values, probes, output_gradients=tf.reshape(tf.cast(cotangent, values.dtype), tf.shape(values)),
-            unconnected_gradients="zero",
-        )
-        return values, aux, list(cotangents)
-    raise NotImplementedError(f"probe_cotangents supports jax and tensorflow, not {backend!r}")
-
-
-def weighted_per_example_gradients(model, loss_fn, x, y, weights, variables, training=True):
-    """``∇_v (w_i · loss_fn(y_i, model(x_i)))`` for every example ``i``, vectorized.
-
-    Like `per_example_gradients`, but only for ``variables`` (a subset of
-    ``model.trainable_variables``), with per-example weights, in training mode,
-    and usable inside a traced training step (the current values of the
-    variables are those of the step).
+    ``forward(call, probe, x_i, y_i) -> (value, aux)`` computes example ``i``'s
+    scalar loss, ``x_i, y_i`` its batch of one and ``call(t)`` the model's
+    training forward pass on the variables being differentiated; inside it, every
+    tensor ``z`` whose cotangent is wanted is replaced by ``probe(z)`` (``z`` plus a
+    zero tensor ``p_k``, one per call, in call order), and ``aux`` holds what the
+    caller keeps from the pass (e.g. layer inputs; under JAX it must be returned,
+    not kept on the side). Nothing couples the examples: example ``i``'s results
+    depend on ``x_i, y_i`` and the variables alone, whatever the model does across
+    its batch axis. Usable eagerly and inside a traced training step.
 
     Args:
         model: a built Keras model.
-        loss_fn: ``(y, y_pred) -> per-example losses`` of shape ``(batch,)``.
         x, y: one batch; ``weights``: shape ``(batch,)``.
-        variables: the variables to differentiate.
+        variables: the trainable variables to differentiate.
 
     Returns:
-        A list, one array ``(batch, *variable.shape)`` per variable.
+        ``(aux, cotangents, grads)``, each a list of arrays with a leading batch axis:
+        ``cotangents[k][i] = ∂(w_i value_i)/∂p_k`` and
+        ``grads[j][i] = ∂(w_i value_i)/∂variables[j]``.
     """
     backend = keras.backend.backend()
     if backend == "jax":
@@ -255,29 +184,61 @@ def weighted_per_example_gradients(model, loss_fn, x, y, weights, variables, tra
         positions = [index[id(v)] for v in variables]
         base = [v.value for v in trainable]
         others = [v.value for v in model.non_trainable_variables]
+        x, y, weights = jnp.asarray(x), jnp.asarray(y), jnp.asarray(weights)
 
-        def example_loss(subset, xi, yi, wi):
+        def run(subset, probe, xi, yi):
             values = list(base)
             for j, s in zip(positions, subset):
                 values[j] = s
-            out, _ = model.stateless_call(values, others, xi[None], training=training)
-            return wi * jnp.sum(loss_fn(yi[None], out))
+            return forward(lambda t: model.stateless_call(values, others, t, training=True)[0],
+                           probe, xi, yi)
 
-        return list(jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0, 0))(
-            [base[j] for j in positions], jnp.asarray(x), jnp.asarray(y), jnp.asarray(weights)
-        ))
+        shapes = []
+
+        def record(z):
+            shapes.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+            return z
+
+        subset = [base[j] for j in positions]
+        jax.eval_shape(lambda: run(subset, record, x[:1], y[:1]))  # abstract: shapes only
+
+        def example(subset, xi, yi, wi):
+            def value(subset, probes):
+                it = iter(probes)
+                v, aux = run(subset, lambda z: z + next(it), xi[None], yi[None])
+                return wi * v, aux
+
+            zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+            (grads, cotangents), aux = jax.grad(value, argnums=(0, 1), has_aux=True)(subset, zeros)
+            return aux, cotangents, grads
+
+        aux, cotangents, grads = jax.vmap(example, in_axes=(None, 0, 0, 0))(subset, x, y, weights)
+        return list(aux), list(cotangents), list(grads)
     if backend == "tensorflow":
         import tensorflow as tf
 
-        def example_grads(args):
+        variables = list(variables)
+
+        def example(args):
             xi, yi, wi = args
+            probes = []
             with tf.GradientTape() as tape:
-                value = wi * tf.reduce_sum(loss_fn(yi[None], model(xi[None], training=training)))
-            grads = tape.gradient(value, variables, unconnected_gradients="zero")
-            return [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
+
+                def probe(z):
+                    p = tf.zeros_like(z)
+                    tape.watch(p)
+                    probes.append(p)
+                    return z + p
+
+                v, aux = forward(lambda t: model(t, training=True), probe, xi[None], yi[None])
+                v = tf.cast(wi, v.dtype) * v
+            grads = tape.gradient(v, variables + probes, unconnected_gradients="zero")
+            grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
+            return list(aux), grads[len(variables):], grads[:len(variables)]
 
         x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        return list(tf.vectorized_map(example_grads, (x, y, tf.cast(weights, "float32"))))
+        aux, cotangents, grads = tf.vectorized_map(example, (x, y, tf.cast(weights, "float32")))
+        return list(aux), list(cotangents), list(grads)
     raise NotImplementedError(
         f"weighted_per_example_gradients supports jax and tensorflow, not {backend!r}"
     )

@@ -15,19 +15,24 @@ computed inside the traced step, and the noise term (`DPModelMixin._noise_term`)
 adds ``ξ_v`` of std ``σ·C / b``: the optimizer receives ``(ḡ + ξ)/b``, exactly
 DP-SGD (Abadi et al. 2016). Padding rows (weight 0) contribute nothing.
 
-How ḡ is computed (no Python loop over examples):
+How ḡ is computed (no Python loop over examples): one vectorized pass
+(`jax.vmap` / `tf.vectorized_map` in `kdp.autodiff`) runs every example alone,
+as a batch of one, so example ``i``'s gradient depends on ``x_i`` and the
+weights only: padding rows, repeated rows or a layer mixing the batch axis
+cannot carry one example into another's clipped gradient (a layer that smuggles
+a tensor of the batch's forward pass into the per-example one through a Python
+attribute, rather than a Keras variable, would). Inside that pass:
 
-* **Dense layers: "book-keeping" ghost clipping.** One forward pass adds a zero
-  probe to the pre-activation output ``z = a·W + b`` of every covered `Dense`
-  call and keeps its input ``a``; one backward pass gives the cotangents
-  ``G = ∂(Σ w_i ℓ_i)/∂z``. The per-example kernel-gradient norm is
-  ``‖a_i‖·‖G_i‖`` for 2-D inputs and, for sequences ``(T, d)``,
-  ``√⟨A_iA_iᵀ, G_iG_iᵀ⟩`` (Gram form, when ``T² < d·units``) or the norm of
-  the materialised ``A_iᵀG_i``. The clipped sum is then ``Aᵀ(c ⊙ G)`` with
-  ``c_i = min(1, C/‖g_i‖)``: no per-example gradient and no second backward pass.
+* **Dense layers: "book-keeping" ghost clipping.** A zero probe is added to the
+  pre-activation output ``z = a·W + b`` of every plain `Dense` call, whose input
+  ``a`` is kept; the backward pass gives the cotangents ``G = ∂(w_i ℓ_i)/∂z``.
+  Example ``i``'s kernel-gradient norm is ``‖a_i‖·‖G_i‖`` for one row and, for
+  ``T`` rows ``(T, d)`` (a sequence, or a Dense applied to folded time steps),
+  ``√⟨A_iA_iᵀ, G_iG_iᵀ⟩`` (Gram form, when ``T² < d·units``) or the norm of the
+  materialised ``A_iᵀG_i``. The clipped sum is then ``Σ_i c_i A_iᵀG_i`` with
+  ``c_i = min(1, C/‖g_i‖)``: no per-example kernel gradient.
 * **Every other trainable variable** (Conv2D, Embedding, LayerNormalization,
-  custom layers): vectorized per-example gradients (`jax.vmap` /
-  `tf.vectorized_map` in `kdp.autodiff`), each example run as a batch of one.
+  custom layers): per-example gradients.
 * Norms of both kinds are summed per example (``"flat"``) or per layer
   (``"per-layer"``: layer ``l`` clipped at ``C_l``, ``Σ_l C_l² = C²``).
 
@@ -37,19 +42,20 @@ logical step, one noise draw, one optimizer update, one accounted step.
 
 Accounting: sensitivity of ḡ is ``C`` (add/remove one example; per-layer:
 ``√Σ C_l² = C``), noise ``σ·C``: one Poisson-subsampled Gaussian with
-multiplier ``σ``, recorded in the same ledger as the clipless path.
+multiplier ``σ``, recorded in the same ledger as the clipless path. It holds
+for what the training step really computes because a model whose training
+forward pass writes a variable or adds a loss term is refused
+(`kdp.admission`), as are stochastic layers.
 """
 
 import math
 import warnings
-import weakref
 
 import keras
 import numpy as np
 from keras import ops
-from keras.src.models.functional import Functional
 
-from kdp import autodiff
+from kdp import admission, autodiff
 
 CLIPPING_MODES = ("flat", "per-layer")
 
@@ -119,64 +125,11 @@ def _is_ghost_dense(layer):
     )
 
 
-def _runs_its_graph(layer):
-    """A Functional or Sequential model whose ``call`` is the stock one (runs its graph)."""
-    return isinstance(layer, keras.Model) and type(layer).call in (Functional.call, keras.Sequential.call)
-
-
-def _graph_layers(model):
-    """The layers that ``model``'s graph calls directly (through nested graph models)."""
-    if not _runs_its_graph(model):
-        return []
-    out = []
-    for layer in model.layers:
-        out.extend(_graph_layers(layer) if _runs_its_graph(layer) else [layer])
-    return list({id(layer): layer for layer in out}.values())
-
-
-_PLAN_BATCHES = (2, 3)
-_GHOST_PLANS = weakref.WeakKeyDictionary()  # model -> {(input spec, layers): ids of ghost layers}
-
-
-def ghost_dense_layers(model, x):
-    """The Dense layers whose per-example norms ghost clipping may compute.
-
-    Ghost norms take row ``i`` of a Dense input to be example ``i``. A layer
-    qualifies if it is a plain `Dense` (`_is_ghost_dense`) called by the model's
-    graph directly (also through nested Functional / Sequential models) and a
-    shape-only trace of ``model(x, training=True)`` at batch sizes 2 and 3 shows
-    every one of its calls made by the graph itself (not from inside another
-    layer's ``call``) on an input whose leading dimension is that batch size.
-    Any other Dense, e.g. one applied by a custom layer to ``(batch·T, d)``
-    rows, is left to the exact vectorized per-example path.
-
-    Args:
-        model: a built model; x: a batch (only its non-batch shape and dtype are used).
-
-    Returns:
-        A list of layers.
-    """
-    graph = _graph_layers(model)
-    candidates = [layer for layer in graph if _is_ghost_dense(layer)]
-    if not candidates:
-        return []
-    spec = tuple(x.shape[1:]), keras.backend.standardize_dtype(x.dtype)
-    key = (spec, tuple(id(layer) for layer in graph), tuple(id(layer) for layer in candidates))
-    cache = _GHOST_PLANS.setdefault(model, {})
-    if key not in cache:
-        ok = {id(layer): True for layer in candidates}
-        called = set()
-        with _GhostDense(candidates, watch=graph) as ctx:
-            for b in _PLAN_BATCHES:
-                ctx.records = []
-                autodiff.trace_shapes(lambda t: model(t, training=True), (b,) + spec[0], spec[1])
-                for layer, a, nested in ctx.records:
-                    called.add(id(layer))
-                    if nested or a.shape[0] != b:
-                        ok[id(layer)] = False
-            ctx.records = []
-        cache[key] = frozenset(i for i in called if ok[i])
-    return [layer for layer in candidates if id(layer) in cache[key]]
+def ghost_dense_layers(model):
+    """The layers whose per-example norms ghost clipping computes: every plain
+    `Dense` of ``model`` (`_is_ghost_dense`), wherever it is called (also from
+    inside another layer's ``call``, on any number of rows per example)."""
+    return [layer for layer in model._flatten_layers(include_self=False) if _is_ghost_dense(layer)]
 
 
 def clipping_groups(model):
@@ -215,16 +168,18 @@ _STOCHASTIC = ("seed_generator", "_seed_generator")
 
 
 def check_model(model):
-    """Raise `ClippingError` if per-example clipping of ``model`` would not be DP.
+    """Raise `ClippingError` (or `kdp.admission.AdmissionError`) if per-example
+    clipping of ``model`` would not be DP.
 
     * the loss must be a `keras.losses.Loss` (its ``call`` gives per-example values);
-    * layers that mix the examples of a batch are refused: `BatchNormalization`
-      in a trainable state (frozen ones run in inference mode: a warning);
     * stochastic layers (Dropout, GaussianNoise, ...) are refused: the
       per-example passes would not see the forward pass's random draws;
-    * activity regularizers (data-dependent penalties) are refused;
-    * any other mixing of examples is refused by a functional probe
-      (`_check_examples_independent`): e.g. a Lambda centring over the batch axis.
+    * a training forward pass that writes a variable (a trainable
+      `BatchNormalization`'s moving statistics) or adds a loss term is refused
+      (`kdp.admission.check_forward_pass`); a frozen BatchNormalization runs in
+      inference mode (a warning: its statistics must be public);
+    * a model whose output for one example depends on other examples of its
+      batch is refused (`_check_examples_independent`).
     """
     loss = model.loss
     if not isinstance(loss, keras.losses.Loss):
@@ -235,14 +190,7 @@ def check_model(model):
     if not model.trainable_variables:
         raise ClippingError(f"{model.name} has no trainable variables")
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.BatchNormalization):
-            if layer.trainable:
-                raise ClippingError(
-                    f"{layer.name}: BatchNormalization mixes the examples of a batch (batch "
-                    "statistics; moving averages of private data), so per-example gradients "
-                    "are not defined. Freeze it (layer.trainable = False: inference mode) or "
-                    "use LayerNormalization / GroupNormalization."
-                )
+        if isinstance(layer, keras.layers.BatchNormalization) and not layer.trainable:
             warnings.warn(
                 f"{layer.name}: frozen BatchNormalization runs in inference mode with fixed "
                 "statistics; fine for DP as long as those statistics are public.",
@@ -253,31 +201,10 @@ def check_model(model):
                 f"{layer.name}: stochastic layers ({type(layer).__name__}) are not supported "
                 "with per-example clipping yet; remove it"
             )
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ClippingError(f"{layer.name}: activity regularizers depend on the data; remove it")
     group_clipping_norms(model)  # validates a per-layer dict
+    admission.check_forward_pass(model)
     _check_examples_independent(model)
     return {}
-
-
-_PROBE_ROWS = 4
-
-
-def _probe_batch(model, rng):
-    """A small random batch shaped like the model's inputs: ``(list of arrays, rows)``."""
-    meta = model.dataset_metadata
-    specs = list(getattr(model, "inputs", None) or [keras.KerasTensor((None,) + meta.input_shape)])
-    rows = specs[0].shape[0] or _PROBE_ROWS
-    xs = []
-    for spec in specs:
-        fill = meta.input_shape if len(specs) == 1 and len(meta.input_shape) == len(spec.shape) - 1 else None
-        shape = [rows] + [d if d is not None else (fill[i] if fill else 3) for i, d in enumerate(spec.shape[1:])]
-        dtype = keras.backend.standardize_dtype(spec.dtype)
-        if "int" in dtype or dtype == "bool":
-            xs.append(rng.integers(0, 2, shape).astype(dtype))
-        else:
-            xs.append(rng.normal(size=shape).astype(dtype))
-    return xs, rows
 
 
 def _perturb_row(x, k, rng):
@@ -302,56 +229,55 @@ def _same(a, b):
 def _check_examples_independent(model):
     """Refuse a model whose output for one example depends on other examples.
 
-    Per-example clipping bounds one example's contribution only if example
-    ``i``'s loss depends on example ``i`` alone (Abadi et al. 2016). Functional
-    probe, in training and inference mode, on a small random batch: perturbing
-    or removing row ``k`` must leave every other row of every output unchanged
-    (`_same`), and every input row of a ghost-clipped Dense
-    (`ghost_dense_layers`) other than ``k``.
+    The clipped sum does not rest on this check: `clipped_gradient_sum` runs
+    every example alone, so nothing one example does to the others' rows reaches
+    the update. But a model that mixes its batch (statistics or a mean over the
+    batch axis) would then be trained on a computation the batch did not run,
+    so it is refused. Functional probe, in training and inference mode, on
+    random rows plus a repeated row and an all-zero row (a padded Poisson
+    batch's padding): perturbing or removing row ``k`` must leave every other
+    row of every output unchanged (`_same`). A layer that mixes only on inputs
+    the probe does not hold passes it.
 
     Raises:
         ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
     """
     rng = np.random.default_rng(0)
-    xs, rows = _probe_batch(model, rng)
+    xs, rows = admission.probe_batch(model, rng)
     fixed_batch = model.inputs[0].shape[0] is not None if getattr(model, "inputs", None) else False
-    ghost = ghost_dense_layers(model, xs[0]) if len(xs) == 1 else []
+    if not fixed_batch:
+        xs = [np.concatenate([x, x[:1], np.zeros_like(x[:1])]) for x in xs]
+        rows += 2
+    elif rows >= 3:
+        for x in xs:
+            x[-2], x[-1] = x[0], 0
     trainable = [v.value for v in model.trainable_variables]
     others = [v.value for v in model.non_trainable_variables]
 
     def run(batch, training):
-        with _GhostDense(ghost) as ctx:
-            out, _ = model.stateless_call(trainable, others, batch if len(batch) > 1 else batch[0],
-                                          training=training)
-            dense = [(layer, ops.convert_to_numpy(a)) for layer, a, _ in ctx.records]
-        return [ops.convert_to_numpy(o) for o in keras.tree.flatten(out)], dense
+        out, _ = model.stateless_call(trainable, others, batch if len(batch) > 1 else batch[0],
+                                      training=training)
+        return [ops.convert_to_numpy(o) for o in keras.tree.flatten(out)]
 
     def refuse(how, training):
         raise ClippingError(
             f"{model.name}: the output for one example changes when another example of the batch "
             f"is {how} (training={training}): a layer mixes the examples of a batch (e.g. statistics "
-            "or a mean over the batch axis), so clipping per example does not bound one example's "
-            "contribution. Per-example clipping needs each example's output to depend on that "
-            "example alone."
+            "or a mean over the batch axis), and the clipped per-example gradients would not be "
+            "those of the computation the batch runs. Per-example clipping needs each example's "
+            "output to depend on that example alone."
         )
 
     for training in (True, False):
-        ref, ref_dense = run(xs, training)
+        ref = run(xs, training)
         if any(len(o.shape) == 0 or o.shape[0] != rows for o in ref):
             raise ClippingError(f"{model.name}: every output must have one row per example (batch axis first)")
         for k in sorted({0, rows - 1}):
-            out, dense = run([_perturb_row(x, k, rng) for x in xs], training)
+            out = run([_perturb_row(x, k, rng) for x in xs], training)
             if not all(_same(np.delete(a, k, 0), np.delete(b, k, 0)) for a, b in zip(ref, out)):
                 refuse("perturbed", training)
-            for (layer, a), (_, b) in zip(ref_dense, dense):
-                if not _same(np.delete(a, k, 0), np.delete(b, k, 0)):
-                    raise ClippingError(
-                        f"{layer.name}: the rows of this Dense layer's input are not the examples of "
-                        "the batch (an earlier layer moves data across rows), so its gradient cannot "
-                        "be clipped per example; keep the batch axis of the tensors between layers."
-                    )
             if not fixed_batch and rows > 1:
-                out, _ = run([np.delete(x, k, 0) for x in xs], training)
+                out = run([np.delete(x, k, 0) for x in xs], training)
                 if not all(_same(np.delete(a, k, 0), b) for a, b in zip(ref, out)):
                     refuse("removed", training)
 
@@ -372,23 +298,18 @@ _MISSING = object()
 
 class _GhostDense:
     """Swaps the ``call`` of covered Dense layers for one that records its input
-    and passes ``z = aW + b`` through ``probe``; calls of the ``watch`` layers mark
-    the Dense calls made from inside them as nested."""
+    and passes ``z = aW + b`` through ``probe``."""
 
-    def __init__(self, layers, watch=()):
+    def __init__(self, layers):
         self.layers = list(layers)
-        covered = {id(layer) for layer in self.layers}
-        self.watch = [layer for layer in watch if id(layer) not in covered]
         self.probe = lambda z: z
-        self.records = []  # (layer, input, nested)
-        self._depth = 0
+        self.records = []  # (layer, input)
         self._saved = []
 
     def __enter__(self):
         for layer in self.layers:
-            self._patch(layer, self._make_call(layer))
-        for layer in self.watch:
-            self._patch(layer, self._make_marker(layer.call))
+            self._saved.append((layer, layer.__dict__.get("call", _MISSING)))
+            object.__setattr__(layer, "call", self._make_call(layer))
         return self
 
     def __exit__(self, *exc):
@@ -398,48 +319,32 @@ class _GhostDense:
             else:
                 object.__setattr__(layer, "call", old)
         self._saved = []
-
-    def _patch(self, layer, call):
-        self._saved.append((layer, layer.__dict__.get("call", _MISSING)))
-        object.__setattr__(layer, "call", call)
-
-    def _make_marker(self, inner):
-        def call(*args, **kwargs):
-            self._depth += 1
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return call
+        self.records = []
 
     def _make_call(self, layer):
         def call(inputs, training=None):
             z = ops.matmul(inputs, layer.kernel)
             if layer.bias is not None:
                 z = ops.add(z, layer.bias)
-            self.records.append((layer, inputs, self._depth > 0))
+            self.records.append((layer, inputs))
             z = self.probe(z)
             return layer.activation(z) if layer.activation is not None else z
 
         return call
 
-    def forward(self, model, loss, x, y):
-        def run(probe):
+    def example_loss(self, loss):
+        """``forward`` of `autodiff.weighted_per_example_gradients`: one example's
+        loss, the inputs of the covered Dense calls as ``aux``."""
+        def forward(call, probe, x, y):
             self.probe, self.records = probe, []
-            values = per_example_loss(loss, y, model(x, training=True))
-            return values, [a for _, a, _ in self.records]
+            value = ops.sum(per_example_loss(loss, y, call(x)))
+            return value, [a for _, a in self.records]
 
-        return run
-
-    def layers_of_calls(self):
-        return [layer for layer, _, _ in self.records]
+        return forward
 
 
-def _as_sequence(t):
-    """``(batch, ..., d) -> (batch, T, d)``."""
-    if len(t.shape) == 2:
-        return ops.expand_dims(t, 1)
+def _as_rows(t):
+    """One example's rows: ``(batch, 1, ..., d) -> (batch, T, d)``."""
     return ops.reshape(t, (-1, int(math.prod(t.shape[1:-1])), t.shape[-1]))
 
 
@@ -460,16 +365,18 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
 
     Flat clipping scales example ``i``'s whole gradient by
     ``min(1, C/‖g_i‖)``; per-layer clipping scales each layer's part by
-    ``min(1, C_l/‖g_il‖)``. Usable eagerly and inside a traced training step.
+    ``min(1, C_l/‖g_il‖)``. Example ``i``'s gradient is that of the model run on
+    example ``i`` alone (`autodiff.weighted_per_example_gradients`), so it
+    depends on no other row of the batch: padding, repeated rows and layers that
+    mix the batch axis cannot move the sum by more than ``C`` per example.
+    Usable eagerly and inside a traced training step.
 
     Args:
         model: a DP model in clipping mode (compiled).
         x, y: one batch; weights: per-example weights in ``[0, 1]`` (default 1).
-        ghost: use the ghost (book-keeping) path for the Dense layers of
-            `ghost_dense_layers`; ``False`` computes every per-example gradient
-            with vectorized autodiff.
+        ghost: use the ghost (book-keeping) norms for the Dense layers
+            (`ghost_dense_layers`); ``False`` differentiates every variable.
     """
-    loss = model.loss
     x = ops.convert_to_tensor(x)
     y = ops.convert_to_tensor(y)
     batch = ops.shape(x)[0]
@@ -483,63 +390,51 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
     def group(v):
         return None if flat else owners[id(v)].name
 
-    dense = ghost_dense_layers(model, x) if ghost else []
-    dense_ids = {id(l) for l in dense}
+    dense = ghost_dense_layers(model) if ghost else []
+    dense_ids = {id(layer) for layer in dense}
     others = [v for v in trainable if id(owners.get(id(v))) not in dense_ids]
+
+    # One vectorized pass, each example alone: Dense inputs and output cotangents
+    # (ghost norms), per-example gradients of every other variable.
+    ctx = _GhostDense(dense)
+    with ctx:
+        inputs, cotangents, grads = autodiff.weighted_per_example_gradients(
+            model, ctx.example_loss(model.loss), x, y, weights, others)
+        called = [layer for layer, _ in ctx.records]
 
     sq = {}  # group -> (batch,) squared norms
 
     def add(g, value):
         sq[g] = value if g not in sq else sq[g] + value
 
-    # Dense layers: one probed forward/backward (ghost norms).
     calls = {}
-    if dense:
-        ghost_ctx = _GhostDense(dense)
-        with ghost_ctx:
-            run = ghost_ctx.forward(model, loss, x, y)
-            _, inputs, cotangents = autodiff.probe_cotangents(run, weights)
-            called = ghost_ctx.layers_of_calls()
-        for layer, a, g in zip(called, inputs, cotangents):
-            if a.shape[0] is not None and x.shape[0] is not None and a.shape[0] != x.shape[0]:
-                raise ClippingError(f"{layer.name}: input rows {a.shape[0]} != batch {x.shape[0]}")
-            calls.setdefault(id(layer), (layer, [], []))
-            calls[id(layer)][1].append(_as_sequence(ops.cast(a, g.dtype)))
-            calls[id(layer)][2].append(_as_sequence(g))
-        for layer, a_list, g_list in calls.values():
-            a = ops.concatenate(a_list, axis=1) if len(a_list) > 1 else a_list[0]
-            g = ops.concatenate(g_list, axis=1) if len(g_list) > 1 else g_list[0]
-            calls[id(layer)] = (layer, a, g)
-            add(group(layer.kernel), _kernel_sq_norms(a, g))
-            if layer.bias is not None:
-                add(group(layer.bias), ops.sum(ops.square(ops.sum(g, axis=1)), axis=1))
-
-    # Everything else: vectorized per-example gradients.
-    grads = []
-    if others:
-        grads = autodiff.weighted_per_example_gradients(
-            model, lambda yt, yp: per_example_loss(loss, yt, yp), x, y, weights, others
-        )
-        for v, g in zip(others, grads):
-            add(group(v), ops.sum(ops.square(ops.reshape(g, (batch, -1))), axis=1))
+    for layer, a, g in zip(called, inputs, cotangents):
+        entry = calls.setdefault(id(layer), (layer, [], []))
+        entry[1].append(_as_rows(ops.cast(a, g.dtype)))
+        entry[2].append(_as_rows(g))
+    for key, (layer, a_list, g_list) in calls.items():
+        a = ops.concatenate(a_list, axis=1) if len(a_list) > 1 else a_list[0]
+        g = ops.concatenate(g_list, axis=1) if len(g_list) > 1 else g_list[0]
+        calls[key] = (layer, a, g)
+        add(group(layer.kernel), _kernel_sq_norms(a, g))
+        if layer.bias is not None:
+            add(group(layer.bias), ops.sum(ops.square(ops.sum(g, axis=1)), axis=1))
+    for v, g in zip(others, grads):
+        add(group(v), ops.sum(ops.square(ops.reshape(g, (batch, -1))), axis=1))
 
     factors = {}
     for g, s in sq.items():
-        c = norms[g]
-        factors[g] = ops.minimum(1.0, c / ops.maximum(ops.sqrt(s), 1e-12))
+        factors[g] = ops.minimum(1.0, norms[g] / ops.maximum(ops.sqrt(s), 1e-12))
 
-    out = {}
+    out = {v.path: ops.zeros(v.shape, v.dtype) for v in trainable}  # a Dense never called: 0
     for layer, a, g in calls.values():
         f = factors[group(layer.kernel)]
         out[layer.kernel.path] = ops.einsum("btd,btu->du", a * f[:, None, None], g)
         if layer.bias is not None:
             out[layer.bias.path] = ops.einsum("bu,b->u", ops.sum(g, axis=1), factors[group(layer.bias)])
     for v, g in zip(others, grads):
-        f = factors[group(v)]
-        out[v.path] = ops.tensordot(f, g, axes=1)
-    for v in trainable:  # keep the kernel/variable dtype
-        out[v.path] = ops.cast(out[v.path], v.dtype)
-    return out
+        out[v.path] = ops.tensordot(factors[group(v)], g, axes=1)
+    return {v.path: ops.cast(out[v.path], v.dtype) for v in trainable}  # the variable's dtype
 
 
 def _chunked_sum(model, x, y, weights, chunk):

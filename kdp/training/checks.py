@@ -1,11 +1,12 @@
 """The checks a DP model passes before its step is compiled: a configuration
 that would not be DP as claimed is refused with a clear error, before anything
 is spent (DP layers with sound bounds, a loss with `get_L()`, ``δ < 1/N``, an
-output per class)."""
+output per class, a training forward pass that writes no variable and adds no
+loss term: `kdp.admission`)."""
 
 import numpy as np
 
-from kdp import clipping
+from kdp import admission, clipping
 from kdp.bounds import BoundError, compute_gradient_bounds, loss_lipschitz
 from kdp.training.validation import output_width
 
@@ -32,13 +33,11 @@ def check_dp(model):
             "would train on averages of unprojected weights, outside the sets the gradient bounds "
             "assume. Keep ema_overwrite_frequency=None: fit then ends on the average, projected "
             "again.")
-    for layer in model._flatten_layers(include_self=False):
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise BoundError(f"{layer.name}: activity regularizers depend on the data; remove it")
     bounds = compute_gradient_bounds(model)
     bad = {p: b for p, b in bounds.items() if not (b >= 0 and np.isfinite(b))}
     if bad:
         raise BoundError(f"non-finite gradient bounds: {bad}")
+    admission.check_forward_pass(model)
     return bounds
 
 

@@ -10,7 +10,11 @@
   ``σ √(Σ_v Δ_v²) / b`` ("global"), ``Δ_v`` the per-example gradient bound of
   the bound pass (Béthune et al. 2024, Alg. 1–2). It is built with a custom
   gradient (`_zero_with_gradient`): its value is 0 without computing the
-  products, and ξ is drawn once for all the variables of one dtype.
+  products, and ξ is drawn once for all the variables of one dtype;
+* plus the weight regularizers' penalties (functions of the weights alone). A
+  loss term a layer adds from the batch (``add_loss``) never enters: such a
+  model is refused before training (`kdp.admission`), and were one to slip
+  through, its term would still be left out of the gradient.
 
 So Keras' own ``train_step`` computes the noisy gradient in one ordinary
 backward pass on every backend. Every constant comes from the model's
@@ -100,7 +104,7 @@ def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
     if not training:
         rows = ops.cast(ops.shape(values)[0], values.dtype)
         total = ops.sum(values) / ops.maximum(rows, 1.0)
-        return total + ops.sum(model.losses) if model.losses else total
+        return total + sum(model.losses) if model.losses else total
     plan = model.step_plan()
     gate = model.privacy_gate
     gate.require_open(plan=plan)
@@ -108,8 +112,11 @@ def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
         total = clipping.clipped_objective(model, x, y, values, sample_weight)  # grad: ḡ/b
     else:
         total = ops.sum(values) / plan.batch_size
-    if model.losses:
-        total = total + ops.sum(model.losses) * ops.cast(distribute.noise_share(), total.dtype)
+    # Weight penalties only (functions of the weights): a term added from the batch
+    # (add_loss) is refused (`kdp.admission`) and never enters the noisy gradient.
+    penalties = model._get_regularization_losses()
+    if penalties:
+        total = total + sum(penalties) * ops.cast(distribute.noise_share(), total.dtype)
     # Checked each time the compiled step runs: a release recorded for this plan. Only
     # the noise term waits for the check (the rest of the step can run meanwhile);
     # a failed check fails the whole execution.
