@@ -217,6 +217,31 @@ def test_ranges_weights_and_an_empty_read():
         source.read([60])
 
 
+def test_an_empty_first_draw_trains_noise_only(draws):
+    """A first Poisson draw of no record (probability ≈ e^-b) is a release of noise
+    only: it trains. The labels are still checked against the loss before anything
+    is spent (control: labels of the wrong width are refused, nothing spent)."""
+    n, b = 1000, 4
+    x, y = _data(n=n)
+
+    def model():
+        params = DPParameters("per-layer", 1.0, 1e-4, reproducible=True, seed=18)
+        m = DP_Sequential([layers.DP_BoundedInput((D,), 1.0), layers.DP_QuickSpectralDense(K)],
+                          dp_parameters=params, dataset_metadata=DatasetMetadata((D,), K, n, b))
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=losses.DP_TauCategoricalCrossentropy(1.0))
+        return m
+
+    trained = model()
+    trained.fit(RecordSource(x, labels=y), epochs=1, steps_per_epoch=3, verbose=0)
+    assert len(draws[0]) == 0 and trained.privacy_ledger.training_steps() == 3
+    draws.clear()
+    refused = model()
+    with pytest.raises(DataValidationError, match="label"):
+        refused.fit(RecordSource(x, labels=np.eye(K + 2)[y % (K + 2)]), epochs=1,
+                    steps_per_epoch=3, verbose=0)
+    assert len(draws[0]) == 0 and refused.privacy_ledger.training_steps() == 0
+
+
 def test_refused_constructions():
     with pytest.raises(TypeError, match="len\\(\\) and \\[index\\].*sampling='shuffle'"):
         RecordSource(iter(range(3)))

@@ -221,8 +221,8 @@ class ValidatedRecords:
 
     A refused batch raises `DataValidationError` naming the first refused
     record's index in the source: the step that would use it is never released.
-    The first batch read with records also passes `probe_loss` (labels the
-    loss cannot take are refused with their real shapes).
+    The first batch read (the primed one, before any step) also passes
+    `probe_loss` (labels the loss cannot take are refused with their real shapes).
     """
 
     def __init__(self, source, model, class_weight=None):
@@ -239,10 +239,11 @@ class ValidatedRecords:
             x, y, w = validate_batch(self.model, x, y, w, self.class_weight)
         except DataValidationError as error:
             raise self._named(error, indices, x, y, w) from None
-        if not self._probed and len(y):
-            probe_loss(self.model, x, y)
+        padded = tuple(_padded(a, rows) for a in (x, y, w))
+        if not self._probed:  # an empty draw (noise only) is probed on its padding rows
+            probe_loss(self.model, *((x, y) if len(y) else padded[:2]))
             self._probed = True
-        return tuple(_padded(a, rows) for a in (x, y, w))
+        return padded
 
     def _named(self, error, indices, x, y, w):
         """``error`` naming the first record that is refused on its own."""
