@@ -286,6 +286,8 @@ def run_demo(args):
 
 
 def format_report(r):
+    from kdp import privacy
+
     robustness = (
         f"certified accuracy at radius {r['certified_radius']:g} = "
         f"{r['certified_accuracy']:.4f} (Lipschitz constant {r['lipschitz_constant']:.3g})"
@@ -299,7 +301,7 @@ def format_report(r):
         f"  mechanism  {r['mechanism']}, sigma = {r['noise_multiplier']:.4f}, "
         f"steps = {r['steps']} ({r['epochs']} epochs), b = {r['batch_size']}, "
         f"q = {r['sampling_rate']:.4f}, Poisson sampling, add/remove-one, "
-        f"{r['accountant'].upper()} accountant",
+        f"{privacy.accountant_name(r['accountant'])}",
         f"  utility    test accuracy = {r['test_accuracy']:.4f}",
         f"  robustness {robustness}",
         f"  run        wall time = {r['wall_time_s']:.1f} s"

@@ -124,7 +124,7 @@ class DPModelMixin:
         return output_probabilities(self.loss, self.predict(x, batch_size=batch_size,
                                                             verbose=verbose))
 
-    def make_private(self, target_epsilon, epochs, delta=None, accountant="pld"):
+    def make_private(self, target_epsilon, epochs, delta=None, accountant="tightest"):
         """Privacy in one call: set σ so that ``epochs`` epochs of `fit` reach at most
         ``target_epsilon`` (at ``delta``, default ``dp_parameters.delta``) for this
         model's own noise with ``accountant`` (PLD, or RDP), and enforce that target

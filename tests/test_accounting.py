@@ -5,6 +5,7 @@ Every expected value here is computed independently of kdp: directly with
 written out below with `math.erf`, or read from the experimental settings of Béthune et al. (2024).
 """
 
+import functools
 import math
 
 import dp_accounting
@@ -14,7 +15,7 @@ import pytest
 from kdp import accounting, layers, losses
 from kdp.model import DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
-from kdp.privacy import PLD_DISCRETIZATION
+from kdp.privacy import PLD_DISCRETIZATION, PLD_RESOLUTION
 
 DELTA = 1e-5
 
@@ -42,12 +43,26 @@ def analytic_gaussian_epsilon(sigma, delta):
     return hi
 
 
-def direct_epsilon(sigma, q, steps, delta, accountant):
-    """dp-accounting alone: RDP, or PLD at kdp's documented `PLD_DISCRETIZATION`."""
+def direct_epsilon(sigma, q, steps, delta, accountant, interval=PLD_DISCRETIZATION):
+    """dp-accounting alone: RDP, or PLD at ``interval`` (kdp's documented
+    `PLD_DISCRETIZATION`)."""
     acc = (dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else
-           dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION))
+           dp_accounting.pld.PLDAccountant(value_discretization_interval=interval))
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
     return acc.get_epsilon(delta)
+
+
+def direct_pld(sigma, q, steps, delta):
+    """PLD as kdp documents it: on `PLD_DISCRETIZATION`, and where that ε is below
+    1e-3 × `PLD_RESOLUTION`, the smaller of it and ε on the grid 1e-3 / 2^k just
+    below ε / `PLD_RESOLUTION`."""
+    coarse = direct_epsilon(sigma, q, steps, delta, "pld")
+    interval = PLD_DISCRETIZATION
+    while interval > coarse / PLD_RESOLUTION:
+        interval /= 2
+    if interval == PLD_DISCRETIZATION:
+        return coarse
+    return min(coarse, direct_epsilon(sigma, q, steps, delta, "pld", interval))
 
 
 def _model(noisify="global", sigma=2.0, n=60_000, b=1000, units=(), sampling="poisson"):
@@ -69,7 +84,8 @@ def _model(noisify="global", sigma=2.0, n=60_000, b=1000, units=(), sampling="po
 @pytest.mark.parametrize("sigma,q,steps", [(1.0, 0.01, 100), (2.0, 1 / 60, 600), (0.8, 0.1, 37)])
 def test_compute_epsilon_equals_direct_dp_accounting(accountant, sigma, q, steps):
     got = accounting.compute_epsilon(sigma, q, steps, DELTA, accountant)
-    assert got == pytest.approx(direct_epsilon(sigma, q, steps, DELTA, accountant), rel=1e-9)
+    direct = direct_pld if accountant == "pld" else functools.partial(direct_epsilon, accountant="rdp")
+    assert got == pytest.approx(direct(sigma, q, steps, DELTA), rel=1e-9)
 
 
 # --- closed form at q = 1 ----------------------------------------------------------
@@ -117,14 +133,19 @@ def test_max_steps_is_zero_when_one_step_is_too_much():
 def test_get_max_epochs_anchor_and_bracket(noisify, units, expected):
     # Béthune et al. 2024 settings: MNIST N = 60 000, b = 1000, σ = 2, ε_max = 3 (RDP): 92 global, 11 per-layer D=4.
     model = _model(noisify, units=units)
-    epochs = accounting.get_max_epochs(3.0, model)
+    epochs = accounting.get_max_epochs(3.0, model, "rdp")
     assert epochs == expected
     spe = model.dataset_metadata.steps_per_epoch
     sigma = model.effective_noise_multiplier()
-    assert accounting.compute_epsilon(sigma, 1 / 60, epochs * spe, DELTA) <= 3.0
-    assert accounting.compute_epsilon(sigma, 1 / 60, (epochs + 1) * spe, DELTA) > 3.0
-    eps, delta = accounting.get_eps_delta(model, epochs)
-    assert eps <= 3.0 < accounting.get_eps_delta(model, epochs + 1)[0] and delta == DELTA
+    assert accounting.compute_epsilon(sigma, 1 / 60, epochs * spe, DELTA, "rdp") <= 3.0
+    assert accounting.compute_epsilon(sigma, 1 / 60, (epochs + 1) * spe, DELTA, "rdp") > 3.0
+    eps, delta = accounting.get_eps_delta(model, epochs, "rdp")
+    assert eps <= 3.0 < accounting.get_eps_delta(model, epochs + 1, "rdp")[0] and delta == DELTA
+    # by default the smaller of PLD and RDP: more epochs, each one below its budget
+    tightest = accounting.get_max_epochs(3.0, model)
+    assert tightest > expected
+    assert accounting.get_eps_delta(model, tightest)[0] <= 3.0 < accounting.get_eps_delta(
+        model, tightest + 1)[0]
 
 
 @pytest.mark.parametrize("accountant,target,q,steps", [
@@ -148,7 +169,7 @@ def test_per_layer_sigma_eff_is_global_sigma_over_sqrt_depth(depth):
     assert model.effective_noise_multiplier() == pytest.approx(sigma / math.sqrt(depth))
     per_layer = accounting.get_eps_delta(model, 3)[0]
     global_ = accounting.compute_epsilon(sigma / math.sqrt(depth), 1 / 60, 3 * 60, DELTA)
-    assert per_layer == pytest.approx(global_, rel=1e-12)
+    assert per_layer == pytest.approx(global_, rel=1e-9)  # σ_eff computed in another order
 
 
 def test_per_layer_sigma_eff_uses_the_noise_coefficients():
@@ -270,5 +291,53 @@ def test_get_eps_delta_includes_what_the_ledger_spent():
     assert model.privacy_spent()[0] == pytest.approx(accounting.compute_epsilon(2.0, 1 / 60, 120, DELTA))
     assert accounting.get_eps_delta(model, 3)[0] == pytest.approx(
         accounting.compute_epsilon(2.0, 1 / 60, 300, DELTA))
-    assert accounting.get_max_epochs(3.0, model) == 92 - 2
+    assert accounting.get_max_epochs(3.0, model, "rdp") == 92 - 2
     keras.backend.clear_session()
+
+
+# --- the tightest ε: the smaller of PLD (refined at small ε) and RDP --------------------
+
+@pytest.mark.parametrize("sigma,q,steps,rdp,coarse,fine_grid", [
+    (1.3, 0.1, 40, 3.302, 2.897, 1e-4),  # PLD below RDP (+14 %): PLD is reported
+    (3.825, 6.4e-4, 5000, 0.0539, 0.0776, 1e-5),  # at small ε the grid of 1e-3 was above RDP
+])
+def test_default_epsilon_is_the_smaller_of_pld_and_rdp(sigma, q, steps, rdp, coarse, fine_grid):
+    assert direct_epsilon(sigma, q, steps, DELTA, "rdp") == pytest.approx(rdp, abs=1e-3)
+    assert direct_epsilon(sigma, q, steps, DELTA, "pld") == pytest.approx(coarse, abs=1e-3)
+    fine = direct_epsilon(sigma, q, steps, DELTA, "pld", fine_grid)  # finer than kdp's grid
+    got = accounting.compute_epsilon(sigma, q, steps, DELTA)
+    # an upper bound (pessimistic grids are above the finer one), within 2 % of the fine one
+    assert fine <= got <= fine * 1.02
+    assert got < min(rdp, coarse) * 0.9 if steps == 5000 else got < rdp * 0.9
+    assert accounting.compute_epsilon(sigma, q, steps, DELTA, "pld") == got
+
+
+def test_a_model_without_make_private_reports_and_budgets_the_tightest():
+    model = _model("global", 1.3, n=10_000, b=1000)
+    model.privacy_ledger.record_training_steps(40, 1.3, 0.1, "poisson", 10)
+    assert model.privacy_gate.accountant == "tightest"
+    eps = model.privacy_spent()[0]
+    assert eps == pytest.approx(direct_epsilon(1.3, 0.1, 40, DELTA, "pld", 1e-4), rel=1e-3)
+    assert eps < model.privacy_spent("rdp")[0] / 1.1
+    assert "Privacy spent (min of the PLD and RDP accountants)" in model.privacy_statement()
+    keras.backend.clear_session()
+
+
+def test_tightest_keeps_only_the_bounds_dp_accounting_supports():
+    # negative controls: where one accountant cannot account the events, the other's ε
+    poisson = accounting.training_event(2.0, 0.01, 300)
+    selection = dp_accounting.dp_event.RepeatAndSelectDpEvent(dp_accounting.GaussianDpEvent(3.0), 2.0, 1.0)
+    for events, alone in ([[poisson], "pld"], [[poisson, selection], "rdp"]):
+        assert accounting.epsilon_of_events(events, DELTA) == accounting.epsilon_of_events(
+            events, DELTA, alone)
+    replace_one = accounting.epsilon_of_events([poisson], DELTA, neighboring=accounting.REPLACE_ONE)
+    assert replace_one == accounting.epsilon_of_events(
+        [poisson], DELTA, "pld", neighboring=accounting.REPLACE_ONE)
+
+
+def test_calibration_uses_the_reported_epsilon():
+    sigma = accounting.calibrate_noise_multiplier(0.05, 6.4e-4, 5000, DELTA)
+    eps = accounting.compute_epsilon(float(sigma), 6.4e-4, 5000, DELTA)
+    assert eps <= 0.05 and eps == pytest.approx(0.05, rel=1e-2)
+    assert float(sigma) < float(accounting.calibrate_noise_multiplier(
+        0.05, 6.4e-4, 5000, DELTA, "rdp"))

@@ -13,10 +13,12 @@ A model's side (its mechanism, planned releases, epochs) is `kdp.training.budget
 `kdp.accounting` is the public face of both.
 """
 
-from kdp.privacy.accountants import (ACCOUNTANTS, ADD_OR_REMOVE_ONE, PLD_DISCRETIZATION,
-                                     RDP_ORDERS, REPLACE_ONE, REPLACE_ONE_ORDERS,
+from kdp.privacy.accountants import (ACCOUNTANT_NAMES, ACCOUNTANTS, ADD_OR_REMOVE_ONE,
+                                     PLD_DISCRETIZATION, PLD_FINEST, PLD_RESOLUTION, RDP_ORDERS,
+                                     REPLACE_ONE, REPLACE_ONE_ORDERS, accountant_name,
                                      check_accountant, compute_epsilon, epsilon_of_events,
-                                     make_accountant, pld_unsupported, rdp_curve, rdp_orders)
+                                     make_accountant, pld_interval, pld_unsupported, rdp_curve,
+                                     rdp_orders, unsupported)
 from kdp.privacy.calibration import CalibratedNoiseMultiplier, calibrate_noise_multiplier
 from kdp.privacy.events import (ASSUMPTIONS, SAMPLINGS, effective_noise_multiplier,
                                 quantile_event, training_event)
@@ -24,10 +26,11 @@ from kdp.privacy.limits import largest_count, max_count, max_steps
 from kdp.privacy.serialization import event_from_config, event_to_config
 
 __all__ = [
-    "ACCOUNTANTS", "ADD_OR_REMOVE_ONE", "ASSUMPTIONS", "CalibratedNoiseMultiplier",
-    "PLD_DISCRETIZATION", "RDP_ORDERS", "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS",
-    "calibrate_noise_multiplier", "check_accountant", "compute_epsilon",
+    "ACCOUNTANT_NAMES", "ACCOUNTANTS", "ADD_OR_REMOVE_ONE", "ASSUMPTIONS",
+    "CalibratedNoiseMultiplier", "PLD_DISCRETIZATION", "PLD_FINEST", "PLD_RESOLUTION",
+    "RDP_ORDERS", "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS",
+    "accountant_name", "calibrate_noise_multiplier", "check_accountant", "compute_epsilon",
     "effective_noise_multiplier", "epsilon_of_events", "event_from_config", "event_to_config",
-    "largest_count", "make_accountant", "max_count", "max_steps", "pld_unsupported",
-    "quantile_event", "rdp_curve", "rdp_orders", "training_event",
+    "largest_count", "make_accountant", "max_count", "max_steps", "pld_interval", "pld_unsupported",
+    "quantile_event", "rdp_curve", "rdp_orders", "training_event", "unsupported",
 ]

@@ -4,24 +4,26 @@ import dp_accounting
 
 from kdp._quiet import quiet_dp_accounting
 from kdp.privacy._checks import check_positive
-from kdp.privacy.accountants import ADD_OR_REMOVE_ONE, epsilon_of_events, make_accountant
+from kdp.privacy.accountants import ADD_OR_REMOVE_ONE, check_accountant, epsilon_of_events
 from kdp.privacy.events import training_event
 
 
 @quiet_dp_accounting()
-def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, accountant="rdp",
+def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, accountant="tightest",
                                sampling="poisson", steps_per_epoch=None, extra_events=(),
                                neighboring=ADD_OR_REMOVE_ONE):
     """Smallest σ (to 1e-4) whose ``steps`` steps cost at most ``target_epsilon`` at ``delta``
-    under ``neighboring`` (`dp_accounting.calibrate_dp_mechanism`).
+    under ``neighboring`` (`dp_accounting.calibrate_dp_mechanism`), ε as
+    `epsilon_of_events` reports and budgets it with ``accountant``.
 
     ``extra_events``: other releases composed with the training (e.g. the
     `quantile_event` of adaptive clipping, or ``model.privacy_ledger.events()``).
 
-    With ``accountant="pld"`` the search is bracketed first (`_pld_bracket`),
-    which keeps PLD away from tiny σ, where it is slow.
+    Where PLD is computed (``"pld"``, ``"tightest"``) the search is bracketed first
+    (`_pld_bracket`), which keeps PLD away from tiny σ, where it is slow.
     """
     check_positive(target_epsilon=target_epsilon)
+    check_accountant(accountant)
 
     extra_events = list(extra_events)
 
@@ -29,16 +31,33 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
         train = training_event(s, sampling_rate, steps, sampling, steps_per_epoch)
         return dp_accounting.ComposedDpEvent(extra_events + [train]) if extra_events else train
 
-    if accountant == "pld":
-        bracket = _pld_bracket(
-            lambda s: epsilon_of_events([event(s)], delta, "pld", neighboring) <= target_epsilon)
-    else:
+    if accountant == "rdp":
         bracket = dp_accounting.LowerEndpointAndGuess(1e-2, 1.0)
+    else:
+        bracket = _pld_bracket(
+            lambda s: epsilon_of_events([event(s)], delta, accountant, neighboring)
+            <= target_epsilon)
     sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: make_accountant(accountant, neighboring), event, target_epsilon, delta, bracket,
+        lambda: _Composition(accountant, neighboring), event, target_epsilon, delta, bracket,
         tol=1e-4)
     return CalibratedNoiseMultiplier(sigma, target_epsilon, sampling_rate, steps, delta,
                                      accountant, sampling, steps_per_epoch, neighboring)
+
+
+class _Composition:
+    """What `dp_accounting.calibrate_dp_mechanism` asks of a fresh accountant (a
+    ``ledger``, ``compose``, ``get_epsilon``), with ε from `epsilon_of_events`."""
+
+    def __init__(self, accountant, neighboring):
+        self.accountant, self.neighboring = accountant, neighboring
+        self.ledger = dp_accounting.NoOpDpEvent()
+
+    def compose(self, event):
+        self.ledger = event
+        return self
+
+    def get_epsilon(self, delta):
+        return epsilon_of_events([self.ledger], delta, self.accountant, self.neighboring)
 
 
 def _pld_bracket(fits):
@@ -66,7 +85,7 @@ class CalibratedNoiseMultiplier(float):
     steps are not one Gaussian of multiplier σ (per-layer noise) can warn
     (`kdp.training.budget.plain_calibration_warning`)."""
 
-    def __new__(cls, sigma, target_epsilon, sampling_rate, steps, delta, accountant="rdp",
+    def __new__(cls, sigma, target_epsilon, sampling_rate, steps, delta, accountant="tightest",
                 sampling="poisson", steps_per_epoch=None, neighboring=ADD_OR_REMOVE_ONE):
         self = super().__new__(cls, sigma)
         self.calibration = dict(target_epsilon=target_epsilon, sampling_rate=sampling_rate,

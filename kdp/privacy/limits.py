@@ -5,7 +5,7 @@ from kdp.privacy.accountants import ADD_OR_REMOVE_ONE, epsilon_of_events
 from kdp.privacy.events import training_event
 
 
-def max_count(epsilon_max, delta, events_of, spent_events=(), accountant="rdp", unit=1,
+def max_count(epsilon_max, delta, events_of, spent_events=(), accountant="tightest", unit=1,
               planned=None, neighboring=ADD_OR_REMOVE_ONE):
     """Largest ``n`` (a multiple of ``unit``) with ε(spent + events_of(n)) ≤ epsilon_max
     under ``neighboring``.
@@ -43,7 +43,7 @@ def largest_count(fits):
     return lo
 
 
-def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="rdp",
+def max_steps(epsilon_max, noise_multiplier, sampling_rate, delta, accountant="tightest",
               sampling="poisson", steps_per_epoch=None, spent_events=(), unit=1, planned=None,
               neighboring=ADD_OR_REMOVE_ONE):
     """Largest ``n`` (a multiple of ``unit`` steps) with ε(spent + n steps) ≤ epsilon_max

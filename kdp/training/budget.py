@@ -131,7 +131,7 @@ def get_max_epochs(epsilon_max, model, accountant=None, epochs_max=None, *, safe
     return epochs if epochs_max is None else min(epochs, int(epochs_max))
 
 
-def make_private(model, target_epsilon, epochs, delta=None, accountant="pld"):
+def make_private(model, target_epsilon, epochs, delta=None, accountant="tightest"):
     """Privacy in one call: calibrate ``model`` so that ``epochs`` more epochs of
     `fit` reach at most ``target_epsilon`` at ``delta`` with ``accountant``, and make
     that target the model's budget, enforced with the same accountant.
@@ -145,11 +145,12 @@ def make_private(model, target_epsilon, epochs, delta=None, accountant="pld"):
     ``accountant``, so ε in the logs, the budget and the privacy statement agree,
     and `fit` runs exactly ``epochs`` epochs before the budget stops it.
 
-    PLD (dp-accounting's, pessimistic: an upper bound on ε) gives the smallest
-    σ. It cannot account some releases (`kdp.privacy.pld_unsupported`: a private
-    hyper-parameter search, sampling without replacement); if the ledger or the
-    planned releases hold one, RDP is used instead, with a warning rather than an
-    error, so that the default works for every model (RDP bounds ε as well).
+    The default, the smaller of PLD and RDP (both dp-accounting's upper bounds
+    on ε; PLD on a grid refined at small ε), gives the smallest σ; where PLD
+    cannot account a release (`kdp.privacy.pld_unsupported`: a private
+    hyper-parameter search, sampling without replacement) it is RDP's. Asked for
+    PLD alone on such a ledger or planned releases, RDP is used instead, with a
+    warning rather than an error (RDP bounds ε as well).
 
     Args:
         model: a DP model with `dp_parameters` and `dataset_metadata` (built, or
@@ -157,7 +158,7 @@ def make_private(model, target_epsilon, epochs, delta=None, accountant="pld"):
         target_epsilon: ε > 0 to reach after ``epochs`` epochs.
         epochs: the number of epochs the user will pass to `fit`.
         delta: the δ (default: ``dp_parameters.delta``), below ``1/N``.
-        accountant: ``"pld"`` (default) or ``"rdp"``.
+        accountant: ``"tightest"`` (default), ``"pld"`` or ``"rdp"``.
 
     Returns:
         The calibrated σ (``model.dp_parameters.noise_multiplier``).

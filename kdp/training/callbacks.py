@@ -20,9 +20,9 @@ class DP_Accountant(keras.callbacks.Callback):
             model's privacy gate with the model's own budget: training stops
             **before** the block of steps (``steps_per_execution``) whose ε would
             exceed it; a model whose ledger already exceeds it is refused.
-        accountant: ``"rdp"`` or ``"pld"`` (for ε in the logs and the budget);
-            ``None`` (default): the model's, that of its persistent budget
-            (`kdp.training.PrivacyGate.accountant_for`: PLD after `make_private`).
+        accountant: one of `kdp.privacy.ACCOUNTANTS` (for ε in the logs and the
+            budget); ``None`` (default): the model's, that of its persistent budget
+            (`kdp.training.PrivacyGate.accountant_for`).
         per_step: write this accountant's ε into the batch logs (every DP model's
             `fit` already writes its own accountant's ε there).
         log_fn: ``"logging"`` (or lip-dp's ``"all"``) to also log ε at each epoch

@@ -26,8 +26,8 @@ through `PrivacyGate.spend`, which
 ε and budgets are computed by `kdp.privacy` under the gate's neighbouring relation
 (add/remove-one unless the owner says otherwise: `kdp.dpcl` uses replace-one).
 The persistent budget is enforced, and ε reported by default, with the gate's
-`PrivacyGate.accountant` (RDP unless the owner chose PLD, as a DP model's
-`make_private` does); a temporary budget names its accountant, or takes the gate's.
+`PrivacyGate.accountant` (the smaller of PLD and RDP unless the owner chose one);
+a temporary budget names its accountant, or takes the gate's.
 """
 
 import contextlib
@@ -65,7 +65,7 @@ class PrivacyGate:
     """
 
     def __init__(self, delta, ledger=None, epsilon_max=None, name="model",
-                 neighboring=privacy.ADD_OR_REMOVE_ONE, accountant="rdp"):
+                 neighboring=privacy.ADD_OR_REMOVE_ONE, accountant="tightest"):
         self.delta = float(delta)
         self.neighboring = neighboring
         self.ledger = ledger if ledger is not None else PrivacyLedger()
@@ -109,7 +109,7 @@ class PrivacyGate:
 
     @property
     def accountant(self):
-        """The accountant (``"rdp"`` or ``"pld"``) of the persistent budget
+        """The accountant (`kdp.privacy.ACCOUNTANTS`) of the persistent budget
         ``epsilon_max``, with which ε is also reported by default (`accountant_for`).
         Saved with a DP model's weights (`kdp.training.saving`)."""
         return self._accountant

@@ -35,7 +35,7 @@ def privacy_statement(model, accountant=None):
 
     Args:
         model: a DP model with `dp_parameters` and `dataset_metadata`.
-        accountant: ``"rdp"`` or ``"pld"`` for the ε values; ``None`` (default):
+        accountant: one of `kdp.privacy.ACCOUNTANTS` for the ε values; ``None`` (default):
             the model's, that of its budget (`PrivacyGate.accountant_for`).
 
     Returns:
@@ -56,7 +56,7 @@ def privacy_statement(model, accountant=None):
         delta = params.delta
         gate = model.privacy_gate
         accountant = gate.accountant_for(events, accountant)
-        lines.append(f"Privacy spent ({accountant.upper()} accountant):")
+        lines.append(f"Privacy spent ({privacy.accountant_name(accountant)}):")
         for d in (delta,) + tuple(delta * f for f in OTHER_DELTAS):
             eps = privacy.epsilon_of_events(events, d, accountant, gate.neighboring)
             note = " (the model's δ)" if d == delta else ""
