@@ -199,9 +199,10 @@ class DPModelMixin:
         ``dataset_metadata.nb_samples_train`` records) are sampled with Poisson sampling, or, with
         ``DPParameters(sampling="shuffle")``, cut into shuffled batches of exactly
         ``b`` records per pass. Datasets and generators are only accepted with
-        ``sampling="shuffle"`` (batches of at most ``b`` records, each record at
-        most once per pass: the user's promise); each of their batches passes
-        the validator. ``sample_weight`` must lie in [0, 1]; a ``class_weight``
+        ``sampling="shuffle"`` (batches of at most ``b`` records, each step
+        accounted as one Gaussian release without amplification: kdp does not
+        draw them); each of their batches passes the validator, which refuses
+        a record held twice. ``sample_weight`` must lie in [0, 1]; a ``class_weight``
         above 1 is divided by its largest value (the sensitivity scaled by it,
         `kdp.training.validation.normalized_class_weight`).
         Other arguments are those of `keras.Model.fit`. A refused `fit` changes

@@ -217,9 +217,10 @@ model.fit(kdp.RecordSource(records, labels=labels, start=start, stop=stop), epoc
 **Streams.** A `tf.data` pipeline or a generator has no random access, so it
 cannot be Poisson-sampled: `fit` refuses it and points to `RecordSource`. It can
 be trained with `DPParameters(sampling="shuffle")`, on batches of at most b
-records that the pipeline shuffles itself, with the matching accounting:
-without amplification by subsampling and under replace-one adjacency, so a much
-larger ε for the same σ and steps (notebook 3 shows the numbers):
+records that the pipeline shuffles itself (a record twice in a batch is refused).
+kdp does not draw those batches, so it cannot prove that a record is used once
+per epoch: each step is accounted as one Gaussian release without amplification,
+a much larger ε than kdp's own shuffled passes over arrays or a `RecordSource`:
 
 ```python
 model = kdp.DP_Sequential(layers, dataset_metadata=metadata,

@@ -12,11 +12,12 @@ hand from the bound formulas, independently of `compute_gradient_bounds`.
 
 import concurrent.futures
 import math
+import warnings
 
 import keras
 import numpy as np
 import pytest
-from scipy import stats
+from scipy import optimize, stats
 
 import kdp
 from kdp import accounting, layers, losses
@@ -434,6 +435,84 @@ def test_error_dataset_needs_shuffle_option():
     with pytest.raises(ValueError, match="rows"):
         too_large.fit(Batches(60), epochs=1, verbose=0)
     assert too_large.privacy_ledger.training_steps() == 0
+
+
+def _exact_gaussian_epsilon(mu, delta):
+    """ε of a Gaussian mechanism of privacy parameter ``mu`` (sensitivity / std;
+    ``k`` releases of σ compose to ``mu = √k / σ``) at ``delta`` (Balle and Wang
+    2018, Thm. 8), independent of kdp and of dp-accounting."""
+    def excess(eps):
+        return (stats.norm.cdf(mu / 2 - eps / mu)
+                - math.exp(eps) * stats.norm.cdf(-mu / 2 - eps / mu) - delta)
+
+    return optimize.brentq(excess, 0.0, 100.0)
+
+
+class _Reshuffled(keras.utils.PyDataset):
+    """``batches`` batches of ``b`` records an epoch, redrawn from all the
+    records at each epoch's end: a record may be in every epoch."""
+
+    def __init__(self, x, y, b, batches):
+        super().__init__()
+        self.x, self.y, self.b, self.batches = x, y, b, batches
+        self.rng = np.random.default_rng(0)
+        self.on_epoch_end()
+
+    def __len__(self):
+        return self.batches
+
+    def __getitem__(self, i):
+        rows = self.order[i * self.b:(i + 1) * self.b]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        self.order = self.rng.permutation(len(self.y))
+
+
+def test_stream_steps_are_accounted_without_amplification():
+    """A stream is not drawn by kdp: 2 batches an epoch over 5 epochs may hold a
+    record in all 10 steps, so each step is one Gaussian release (add/remove-one),
+    not ⌈10 / ⌊N/b⌋⌉ = 1 shuffled pass; the ε is checked against the exact ε of
+    10 composed Gaussians."""
+    model = _small_model(n=100, b=10, sampling="shuffle")
+    x, y = _data(n=100)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(_Reshuffled(x, y, 10, 2), epochs=5, verbose=0)
+    assert model.privacy_ledger.training_steps() == 10
+    exact = _exact_gaussian_epsilon(math.sqrt(10) * SQRT2, 1e-3)  # σ_eff = 1/√2
+    assert exact <= model.privacy_spent("pld")[0] <= exact * 1.01
+    assert exact <= model.privacy_spent("rdp")[0] <= exact * 1.2
+    assert any("without amplification" in str(w.message) and "RecordSource" in str(w.message)
+               for w in caught)
+    assert "one Gaussian release per step" in model.privacy_statement()
+    budgeted = _small_model(n=100, b=10, sampling="shuffle",
+                            epsilon_max=model.privacy_spent()[0] * (1 + 1e-9))
+    with pytest.warns(UserWarning, match="stopped by the privacy budget"):
+        budgeted.fit(_Reshuffled(x, y, 10, 2), epochs=10, verbose=0)
+    assert budgeted.privacy_ledger.training_steps() == 10  # the budget stop sees each step's cost
+
+
+@pytest.mark.parametrize("kind", ["pydataset", "tf.data"])
+def test_stream_batch_with_a_record_twice_is_refused(kind):
+    """The check of `train_on_batch` on every stream batch: a record twice in one
+    batch would count twice in the sum. ``repeat()`` then ``shuffle()`` puts records
+    twice in a batch; nothing is spent for the refused batch."""
+    x, y = _data()
+    model = _small_model(sampling="shuffle")
+    if kind == "pydataset":
+        rows = np.r_[0, 0:29]
+        stream = _Reshuffled(x, y, 30, 1)
+        stream.order = rows
+        stream.on_epoch_end = lambda: None
+    else:
+        import tensorflow as tf
+
+        stream = (tf.data.Dataset.from_tensor_slices((x, y)).repeat(2)
+                  .shuffle(240, seed=0).batch(30, drop_remainder=True))
+    with pytest.raises(kdp.training.DataValidationError, match="the same record 2 times"):
+        model.fit(stream, epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 0
 
 
 # --- end to end -----------------------------------------------------------------------

@@ -10,7 +10,10 @@ Under **add/remove-one** adjacency (Dwork and Roth 2014, §2.3):
   (sensitivity doubled: ``GaussianDpEvent(σ_eff / 2)`` per started pass). With
   batches of at most ``b`` records a pass lasts at least ``⌊N/b⌋`` steps, so
   ``n`` contiguous steps start at most ``⌈n / ⌊N/b⌋⌉`` passes: that is the
-  ``steps_per_epoch`` a model gives the accountant in this mode.
+  ``steps_per_epoch`` a model gives the accountant in this mode. It holds only
+  where kdp draws the passes (arrays, a `kdp.RecordSource`); a step on a batch
+  kdp did not draw (a dataset, a generator, `train_on_batch`) is one Gaussian
+  release without amplification (``q = 1``).
 
 Per-layer noise with multipliers ``σ·c_v`` is one Gaussian mechanism with
 ``σ_eff = (Σ_v (σ c_v)^-2)^(-1/2)``.

@@ -20,9 +20,10 @@ class DPParameters:
         delta: the δ of the reported (ε, δ); must be ``< 1/N`` unless
             ``allow_large_delta=True``.
         sampling: ``"poisson"`` (default, what the accountant assumes) or
-            ``"shuffle"`` (shuffled batches of at most ``b`` records, each record
-            at most once per pass, e.g. from a `tf.data` pipeline; accounted
-            without amplification under replace-one, one Gaussian per pass).
+            ``"shuffle"`` (shuffled batches of at most ``b`` records: passes kdp
+            draws from arrays or a `kdp.RecordSource` are accounted without
+            amplification under replace-one, one Gaussian per pass; the steps
+            of a `tf.data` pipeline or generator one Gaussian each, add/remove-one).
         reproducible: fix the noise and sampling seeds to ``seed`` (required).
             **For tests only**: by default every draw is seeded from the OS
             entropy, so nobody can predict the noise.

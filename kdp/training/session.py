@@ -12,7 +12,9 @@
    stream in shuffle mode;
 3. project the constrained weights, reseed the noise and open a run in the
    ledger; the compiled step then spends, through the gated train function
-   (`kdp.training.stepping`), one recorded release of the plan per step;
+   (`kdp.training.stepping`), one recorded release of the plan per step: its
+   ``fit_mechanism`` on batches kdp draws, its ``batch_mechanism`` (no
+   amplification) on a stream's;
 4. run Keras' own loop with `_GateCallback` first (budget stop, ε in the logs,
    provable refunds at an epoch's end) and a progress bar that ends where a
    budget stop ends the epoch.
@@ -39,6 +41,15 @@ from kdp.training.validation import DataValidationError, probe_loss, validate_ba
 
 #: how many times an epoch's step logs compute ε when PLD is computed
 PLD_POINTS_PER_EPOCH = 4
+
+#: the warning of a `fit` on a dataset or generator (shuffle mode)
+STREAM_ACCOUNTING = (
+    "{name}: kdp does not draw the batches of a dataset or generator, so it cannot prove "
+    "that a record is used once per epoch: each step is accounted as one Gaussian release "
+    "without amplification (any record may be in every step, at most once per batch; a "
+    "repeated record is refused). This costs far more ε than kdp's own shuffled passes "
+    "(and a budget set by make_private stops such a fit sooner): pass NumPy arrays or a "
+    "kdp.RecordSource to have each pass accounted as one release.")
 
 
 class _GateCallback(keras.callbacks.Callback):
@@ -133,6 +144,7 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
         raise ValueError(
             f"batch_size={batch_size} differs from dataset_metadata.batch_size={md.batch_size}")
     callbacks = list(callbacks or [])
+    stream = False  # a dataset or generator: kdp does not draw its batches
     journal = _journal_for(callbacks)
     processes = ProcessGroup.of(model)
     source = as_source(x, y, sample_weight)
@@ -160,18 +172,21 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
             "Pass NumPy arrays, or a kdp.RecordSource over anything that reads a record by "
             "index (files, a memmap, HDF5, a Hugging Face dataset): both are Poisson-sampled, "
             "reading only the sampled records. A stream without random access can only be "
-            "trained with DPParameters(sampling='shuffle'), on shuffled fixed-size batches "
-            "with the matching (weaker, unamplified) accounting.")
+            "trained with DPParameters(sampling='shuffle'), each of its steps accounted as "
+            "one Gaussian release without amplification.")
     elif class_weight is not None or sample_weight is not None:
         raise ValueError("with a dataset, put the weights (in [0, 1]) in the dataset itself")
     else:
         x = validate_stream(model, x, md.batch_size)
+        stream = True
+        warnings.warn(STREAM_ACCOUNTING.format(name=model.name), stacklevel=3)
     # Each batch is already a fresh draw (or the stream's own order); Keras'
     # shuffle would reorder, and for shuffled passes interleave, them.
     kwargs["shuffle"] = False
     _check_tensorboard(callbacks)
     plan = model.step_plan()
-    gate, mechanism = model.privacy_gate, plan.fit_mechanism
+    gate = model.privacy_gate
+    mechanism = plan.batch_mechanism if stream else plan.fit_mechanism
     if journal is not None and processes is None:  # recover the steps of a run that was killed
         model.merge_ledger(journal.read())
     _check_budgets(model, callbacks, mechanism)  # refused: nothing changed, not even the weights

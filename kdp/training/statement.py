@@ -139,8 +139,10 @@ def _sampling(md, sampling):
         return (f"Poisson: each step includes every one of the N = {n} records independently "
                 f"with probability q = b/N = {b}/{n} = {b / n:.4g} (amplification by "
                 "subsampling).")
-    return (f"shuffled fixed-size batches of at most b = {b} of the N = {n} records, each "
-            "record at most once per pass (no amplification).")
+    return (f"shuffled fixed-size batches of at most b = {b} of the N = {n} records (no "
+            "amplification): drawn by kdp from arrays or a kdp.RecordSource, each record at "
+            "most once per pass; from a dataset or generator, one Gaussian release per step "
+            "(any record may be in every step, at most once per batch).")
 
 
 def _releases(ledger):

@@ -28,7 +28,7 @@ import keras
 from kdp import distribute
 from kdp.layers.clip import DP_ClipGradient
 from kdp.training.gate import PrivacyGateError
-from kdp.training.validation import DataValidationError, check_distinct_records, validate_batch
+from kdp.training.validation import DataValidationError, validate_batch
 
 #: kdp's exceptions raised inside a compiled step or a tf.data pipeline, by name.
 _KDP_ERRORS = {"PrivacyGateError": PrivacyGateError, "DataValidationError": DataValidationError}
@@ -168,8 +168,7 @@ def train_on_batch(model, keras_train_on_batch, x, y, sample_weight, class_weigh
     if distribute.process_count(model) > 1:
         raise ValueError(f"{model.name}: train_on_batch is not supported on several processes "
                          "(each would account its own batch): call fit on every process")
-    x, y, weights = validate_batch(model, x, y, sample_weight, class_weight)
-    check_distinct_records(x, y, weights)
+    x, y, weights = validate_batch(model, x, y, sample_weight, class_weight, distinct=True)
     plan = model.step_plan()
     model.privacy_gate.check(plan.batch_mechanism, 1)  # refused: nothing changes, not even weights
     model.project_weights()

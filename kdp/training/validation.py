@@ -3,8 +3,11 @@ break a bound the privacy guarantee relies on.
 
 `validate_batch` runs on every batch that reaches a DP model's noisy step (all
 of `fit`'s arrays at once, each batch read from a `kdp.RecordSource`, each
-`train_on_batch` batch, each batch of a dataset in shuffle mode) **before** the step is recorded in the ledger, so a refused
-batch costs nothing. It checks
+`train_on_batch` batch, each batch of a dataset in shuffle mode) **before** the
+step is recorded in the ledger, so a refused batch costs nothing. It checks
+
+* records: a batch kdp did not sample (`train_on_batch`, a dataset's batch)
+  holds no record twice (`check_distinct_records`);
 
 * shapes: every input, label and weight has the same number of rows, at most
   ``max_rows`` (the expected batch size ``b`` for shuffled batches), and one
@@ -52,7 +55,8 @@ class DataValidationError(ValueError):
     """Training data that would break the privacy guarantee (nothing was spent)."""
 
 
-def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=None):
+def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=None,
+                   distinct=False):
     """Check one batch (or a whole training set) for ``model``; return ``(x, y, weights)``.
 
     Args:
@@ -61,6 +65,8 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
         sample_weight: per-example weights or ``None`` (all 1).
         class_weight: optional ``{class id: weight}``.
         max_rows: the largest number of rows allowed.
+        distinct: refuse a record held twice (`check_distinct_records`): for a
+            batch one step trains on as given, not for the records kdp samples.
 
     Returns:
         ``(x, y, weights)`` as NumPy arrays, ``weights`` of shape ``(rows,)``.
@@ -100,6 +106,8 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
     _check_labels(model, y)
     _check_norms(model, leaves)
     _check_box(model, leaves)
+    if distinct:
+        check_distinct_records(x, y, weights)
     return x, y, weights
 
 
@@ -107,8 +115,8 @@ def check_distinct_records(x, y, weights):
     """Refuse a batch that holds the same record twice (identical inputs and label,
     weight > 0): its sum would move by ``k·Δ`` for a record seen ``k`` times, while
     a step is accounted for sensitivity ``Δ``. Rows of weight 0 (padding) are
-    ignored. Used for batches a user builds (`train_on_batch`); `fit` samples
-    each record at most once per batch itself.
+    ignored. Used for batches kdp did not sample (`train_on_batch`, a dataset's
+    batches); `fit` samples each record at most once per batch itself.
 
     Raises:
         DataValidationError: naming the rows and the multiplicity.
@@ -317,12 +325,13 @@ def _row_blocks(array, elements=1 << 22):
 def validate_stream(model, data, max_rows):
     """``data`` (a `tf.data.Dataset`, a `keras.utils.PyDataset` or a generator of
     ``(x, y[, sample_weight])`` batches) with `validate_batch` applied to every
-    batch before it reaches the step (``max_rows``: the expected batch size).
-    A refused batch raises before its step runs (the gate refunds the step)."""
+    batch before it reaches the step (``max_rows``: the expected batch size; no
+    record twice). A refused batch raises before its step runs (the gate refunds
+    the step)."""
     def check(batch):
         if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
             raise DataValidationError("each batch must be (x, y) or (x, y, sample_weight)")
-        return validate_batch(model, *batch, max_rows=max_rows)
+        return validate_batch(model, *batch, max_rows=max_rows, distinct=True)
 
     if hasattr(data, "element_spec"):  # tf.data: the same check, run by tf.data itself
         import tensorflow as tf
