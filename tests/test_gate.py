@@ -33,6 +33,7 @@ def _model(n=64, b=16, sigma=2.0, delta=1e-3, loss=None, units=K, lr=0.05, epsil
                                    **params),
         dataset_metadata=DatasetMetadata((D,), units, n, b, max_norm=max_norm))
     model.compile(optimizer=keras.optimizers.SGD(lr), loss=loss or losses.DP_TauCategoricalCrossentropy(2.0))
+    model.privacy_gate.accountant = "rdp"  # the accountant of `_gaussian_eps`
     return model
 
 
@@ -106,7 +107,7 @@ def test_merging_independent_trainings_composes_them():
         merged = merged.merge(other.privacy_ledger)
     steps = 3 * 2 * 4
     assert merged.training_steps() == steps
-    spent = kdp.accounting.epsilon_of_events(merged.events(), 1e-3)
+    spent = kdp.accounting.epsilon_of_events(merged.events(), 1e-3, "rdp")
     assert spent == pytest.approx(_gaussian_eps(2.0, 16 / 64, steps, 1e-3), rel=1e-6)
     # the same history seen twice (a checkpoint, then the journal) counts once
     again = merged.merge(trials[1].privacy_ledger).merge(merged)
@@ -178,8 +179,8 @@ def test_accountant_budget_holds_with_steps_per_execution():
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=losses.DP_TauCategoricalCrossentropy(2.0),
                   steps_per_execution=4)
     allowed = 41  # not a multiple of the block: the old check ran up to 44 steps
-    eps_max = kdp.accounting.compute_epsilon(1.0, 16 / 128, allowed, 1e-3) * (1 + 1e-9)
-    assert kdp.accounting.max_steps(eps_max, 1.0, 16 / 128, 1e-3) == allowed
+    eps_max = kdp.accounting.compute_epsilon(1.0, 16 / 128, allowed, 1e-3, "rdp") * (1 + 1e-9)
+    assert kdp.accounting.max_steps(eps_max, 1.0, 16 / 128, 1e-3, "rdp") == allowed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, epochs=100, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=eps_max)])
@@ -348,7 +349,8 @@ def test_budget_allowance_follows_every_change_of_the_ledger():
     from kdp.training.ledger import PrivacyLedger, training_mechanism
 
     step = training_mechanism(2.0, 0.25, "poisson", 4)
-    gate = PrivacyGate(1e-3, epsilon_max=_gaussian_eps(2.0, 0.25, 40, 1e-3) * (1 + 1e-9))
+    gate = PrivacyGate(1e-3, epsilon_max=_gaussian_eps(2.0, 0.25, 40, 1e-3) * (1 + 1e-9),
+                       accountant="rdp")
     assert gate.remaining(step) == 40
     with gate.spend(step, 5):
         pass
