@@ -46,6 +46,7 @@ def _model(clip=None, sigma=SIGMA, strategy="global", seed=0, width=32):
                           dataset_metadata=DatasetMetadata((D_IN,), K, N, BATCH))
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss=losses.DP_TauCategoricalCrossentropy(2.0))
     model.build((None, D_IN))
+    model.privacy_gate.accountant = "rdp"  # the accountant of `_hand_epsilon`
     return model
 
 

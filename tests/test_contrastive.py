@@ -450,7 +450,7 @@ def test_sensitivity_sizes_and_accounting():
     history = trainer.fit(x, xp, epochs=2)
     steps = 2 * math.ceil(120 / 12)
     assert trainer.privacy_ledger.training_steps() == steps
-    eps = accounting.compute_epsilon(trainer.noise_multiplier, 0.1, steps, 1e-3)
+    eps = accounting.compute_epsilon(trainer.noise_multiplier, 0.1, steps, 1e-3, "rdp")
     assert history["epsilon"][-1] == pytest.approx(eps, rel=1e-6)
     assert eps <= 3.0 + 1e-3 and eps > 2.9
     assert trainer.sensitivity() == pytest.approx(loss.sensitivity(121, 0.5))

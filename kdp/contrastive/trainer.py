@@ -267,7 +267,8 @@ class ContrastiveTrainer:
         steps = steps_per_epoch or math.ceil(n / self.batch_size)
         if self.strategy != "non-private" and self.noise_multiplier is None:
             self.noise_multiplier = privacy.calibrate_noise_multiplier(
-                self.target_epsilon, self.sampling_rate, epochs * steps, self.delta)
+                self.target_epsilon, self.sampling_rate, epochs * steps, self.delta,
+                "rdp")  # the accountant `privacy_spent` reports
         self._check_independence(x[: min(n, 4)])
         return x, xp, steps
 
