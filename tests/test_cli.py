@@ -128,7 +128,7 @@ def test_demo_end_to_end(tmp_path):
     assert report["delta"] == 1e-5 and report["steps"] == 2 * 6 and report["epochs"] == 2
     # ε recomputed independently of the callback from (σ, q, steps), with the accountant
     # make_private chose (PLD by default)
-    assert report["accountant"] == "pld"
+    assert report["accountant"] == "tightest"
     eps = accounting.compute_epsilon(report["noise_multiplier"], 256 / 1437, 12, 1e-5, "pld")
     assert report["epsilon"] == pytest.approx(eps, rel=1e-6)
     assert 0 <= report["certified_accuracy"] <= report["test_accuracy"] <= 1
