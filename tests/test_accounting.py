@@ -15,7 +15,7 @@ import pytest
 from kdp import accounting, layers, losses
 from kdp.model import DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
-from kdp.privacy import PLD_DISCRETIZATION, PLD_RESOLUTION
+from kdp.privacy import PLD_DISCRETIZATION, PLD_MIN_NOISE, PLD_RESOLUTION
 
 DELTA = 1e-5
 
@@ -333,6 +333,22 @@ def test_tightest_keeps_only_the_bounds_dp_accounting_supports():
     replace_one = accounting.epsilon_of_events([poisson], DELTA, neighboring=accounting.REPLACE_ONE)
     assert replace_one == accounting.epsilon_of_events(
         [poisson], DELTA, "pld", neighboring=accounting.REPLACE_ONE)
+
+
+def test_noise_below_the_pld_floor_is_accounted_in_rdp_only():
+    # PLD's grid grows as 1/σ²: at σ = 1e-3 it would need some 200 GB; below PLD_MIN_NOISE
+    # the tightest ε is RDP's and an explicit PLD request is refused
+    below, at = 0.5 * PLD_MIN_NOISE, PLD_MIN_NOISE
+    rdp = direct_epsilon(below, 1.0, 1, DELTA, "rdp")
+    assert direct_epsilon(below, 1.0, 1, DELTA, "pld") < rdp  # control: PLD would be lower
+    assert accounting.compute_epsilon(below, 1.0, 1, DELTA) == pytest.approx(rdp, rel=1e-9)
+    with pytest.raises(ValueError, match="PLD_MIN_NOISE"):
+        accounting.compute_epsilon(below, 1.0, 1, DELTA, "pld")
+    assert accounting.compute_epsilon(at, 1.0, 1, DELTA) < direct_epsilon(at, 1.0, 1, DELTA, "rdp")
+    assert accounting.compute_epsilon(1e-3, 1.0, 1, DELTA) == pytest.approx(
+        direct_epsilon(1e-3, 1.0, 1, DELTA, "rdp"), rel=1e-9)
+    sigma = accounting.calibrate_noise_multiplier(5000.0, 1.0, 1, DELTA)  # σ far below the floor
+    assert accounting.compute_epsilon(float(sigma), 1.0, 1, DELTA) <= 5000.0
 
 
 def test_calibration_uses_the_reported_epsilon():

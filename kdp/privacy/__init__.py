@@ -14,8 +14,8 @@ A model's side (its mechanism, planned releases, epochs) is `kdp.training.budget
 """
 
 from kdp.privacy.accountants import (ACCOUNTANT_NAMES, ACCOUNTANTS, ADD_OR_REMOVE_ONE,
-                                     PLD_DISCRETIZATION, PLD_FINEST, PLD_RESOLUTION, RDP_ORDERS,
-                                     REPLACE_ONE, REPLACE_ONE_ORDERS, accountant_name,
+                                     PLD_DISCRETIZATION, PLD_FINEST, PLD_MIN_NOISE,
+                                     PLD_RESOLUTION, RDP_ORDERS, REPLACE_ONE, REPLACE_ONE_ORDERS, accountant_name,
                                      check_accountant, compute_epsilon, epsilon_of_events,
                                      make_accountant, pld_interval, pld_unsupported, rdp_curve,
                                      rdp_orders, unsupported)
@@ -27,7 +27,8 @@ from kdp.privacy.serialization import event_from_config, event_to_config
 
 __all__ = [
     "ACCOUNTANT_NAMES", "ACCOUNTANTS", "ADD_OR_REMOVE_ONE", "ASSUMPTIONS",
-    "CalibratedNoiseMultiplier", "PLD_DISCRETIZATION", "PLD_FINEST", "PLD_RESOLUTION",
+    "CalibratedNoiseMultiplier", "PLD_DISCRETIZATION", "PLD_FINEST", "PLD_MIN_NOISE",
+    "PLD_RESOLUTION",
     "RDP_ORDERS", "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS",
     "accountant_name", "calibrate_noise_multiplier", "check_accountant", "compute_epsilon",
     "effective_noise_multiplier", "epsilon_of_events", "event_from_config", "event_to_config",
