@@ -1,6 +1,6 @@
 """Loss-gradient clipping on digits: no clipping vs a fixed vs an adaptive threshold.
 
-Protocol (issue 8, same as ``digits_accuracy.py``): scikit-learn's bundled digits
+Protocol (the same as ``digits_accuracy.py``): scikit-learn's bundled digits
 via `kdp.datasets.load_digits` (80/20 stratified split, seed 0, each image scaled
 to unit norm), δ = 1e-5, ε ∈ {1, 3}, the MLP of ``digits_accuracy.py`` trained with
 Poisson sampling. Three variants:

@@ -1,6 +1,6 @@
 """Time and peak memory of one training step: plain Keras, kdp clipless, kdp per-example clipping.
 
-Two models (issue 7):
+Two models:
 
 * ``mlp``: 784→512→512→10;
 * ``cnn``: 28×28×1 → Conv 3×3 32 → pool 2 → Conv 3×3 64 → pool 2 → Flatten → Dense 10;

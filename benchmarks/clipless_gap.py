@@ -1,10 +1,11 @@
-"""Why Clipless DP-SGD trails per-example clipping DP-SGD on digits: measurements (issue 20).
+"""Why Clipless DP-SGD trails per-example clipping DP-SGD on digits: measurements.
 
 Protocol: scikit-learn's bundled digits through `kdp.pipeline.load_digits`
 (80/20 stratified split, seed 0; pixels / 16, then every image scaled to unit
 L2 norm, ``input_bound="normalize"``, a fixed public map: ``‖x‖ = 1``), δ = 1e-5,
 Poisson batches of expected size b = 256, Adam, σ calibrated by each model's own
-`make_private(target_epsilon, epochs)` (RDP). Five arms:
+`make_private(target_epsilon, epochs)` (its default accountant, the tighter of PLD
+and RDP; the tables below, measured on 2026-11-24, used RDP). Five arms:
 
 * (a) ``mlp``: plain Dense 64→256 ReLU→10, sparse cross-entropy, non-private;
 * (b) ``lip``: the Lipschitz network of `benchmarks/digits_accuracy.py`
@@ -43,7 +44,7 @@ b = 256 random training examples each time:
    * optimizer under noise (the extra DP cost of the Lipschitz network) = ((b) − (c)) − ((a) − (e)).
 
 Every arm uses the same b, optimizer and learning rate (defaults: the per-example
-clipping DP-SGD setting of the issue, b 256, Adam 0.01, C = 1 at ε ≤ 3 / 0.1 above) and
+clipping DP-SGD reference setting, b 256, Adam 0.01, C = 1 at ε ≤ 3 / 0.1 above) and
 is reported at its best number of epochs in a small grid (`--epochs`; default 8 15 30 50
 at ε ≤ 1, else 5 10 20 40), chosen on the test set as in `benchmarks/digits_accuracy.py`:
 the best epoch count differs between the arms (at ε = 1 the Lipschitz network under

@@ -47,63 +47,62 @@ image sets of 8×8 to 28×28 pixels; nothing is downloaded):
   rows, 128 from there (T = 1, 2, 5, 10: `ROWS_THRESHOLDS`, fixed before
   gen_4k_2c and gen_10k_4c were run), made of runs above, and
   ``clipless_tau_by_rows_<T>k_binary_else_clipping_long_centred`` the table
-  rule with it (the recipes' rule in the sixth session: T = 1);
+  rule with it (a former recipes' rule: T = 1);
 * ``clipless_hidden_centred`` / ``clipping_hidden_centred`` (tables below
   10,000 training rows, centred): the hidden layer the former rule gave only
   from 10,000 rows (width: the power of two nearest 4 d in [64, 512]; the
   clipping MLP trained 60 epochs), and ``hidden_<rule>_binary_clipless_else_clipping_centred``
-  the table rule with it from 1k, 2k or 5k rows or at every size (the
-  recipes' rule in the sixth session: every size). Every other variant keeps
+  the table rule with it from 1k, 2k or 5k rows or at every size (a former
+  recipes' rule: every size). Every other variant keeps
   the former width rule (`FORMER_HIDDEN_MIN_ROWS`), pinned here;
 * ``hidden_every_size_binary_clipless_from_1k_else_clipping_centred``: the
   same, with Clipless only for one binary output from 1,000 training rows (the
   τ rule's threshold) and per-example clipping below; and
   ``clipping_hidden_every_size_centred``, per-example clipping on every
-  table, as a candidate (the recipes' rule in the seventh and eighth
-  sessions: 11 of the 12 table folds chose it, gen_2k_lin's fold the
-  other). Both proposed in the seventh session after the 3-seed runs of
-  the two binary tables below 1,000 rows (clipping ahead of Clipless in
-  AUROC in all six of their cells), declared with seeds 3 to 9 of the
-  tables below 1,000 rows and with the two tables gen_2k_lin and
-  gen_6k_lin_3c before those runs;
+  table, as a candidate (a former recipes' rule: leave-one-dataset-out picks
+  it for 11 of the 12 tables, the other for gen_2k_lin). Both proposed
+  after the 3-seed runs of the two binary tables below 1,000 rows (clipping
+  ahead of Clipless in AUROC in all six of their cells) and declared before
+  the runs that score them: seeds 3 to 9 of the tables below 1,000 rows and
+  the tables gen_2k_lin and gen_6k_lin_3c;
 * ``clipping_hidden_every_size_ema_centred``: that rule with the image models'
   moving average of the weights (``clipping_hidden_ema_centred`` below 10,000
   training rows, ``clipping_long_ema_centred`` from there; momentum
-  ``kdp.recipes.ema_momentum``), declared in the eighth session before it ran;
+  ``kdp.recipes.ema_momentum``), declared before it ran;
   a table variant ``<variant>_ema`` gets that moving average (the recipe gives
   tables none);
 * ``clipping_hidden_every_size_lr<k>_centred``: that rule with Adam's learning
-  rate at k / 1000 (30 and 100, `LEARNING_RATES`; the recipes' 10 until then),
-  declared in the ninth session before it ran; every fold chose 30, the
-  recipes' rate since (`kdp.recipes.TABLE_MLP_LEARNING_RATE`), and every other
+  rate at k / 1000 (30 and 100, `LEARNING_RATES`; the former rule: 10),
+  declared before it ran; leave-one-dataset-out picks 30 for every table, the
+  recipes' rate (`kdp.recipes.TABLE_MLP_LEARNING_RATE`), and every other
   table clipping variant keeps 0.01 (`FORMER_TABLE_LEARNING_RATE`), pinned here;
-* ``clipping_hidden_every_size_ema_lr30_centred``: the ninth session's table
-  rule (Adam 0.03) with that moving average, declared in the tenth session
-  before it ran (the average at Adam 0.01 was the best variant in three of
-  the cells where the rule was more than 0.01 below the best); all twelve
-  folds chose it (mean accuracy / AUROC 0.831 / 0.928 against 0.828 / 0.927),
-  the recipes' rule since;
+* ``clipping_hidden_every_size_ema_lr30_centred``: that table rule (Adam
+  0.03) with that moving average, declared before it ran (the average at
+  Adam 0.01 was the best variant in three of the cells where the Adam 0.03
+  rule was more than 0.01 below the best); leave-one-dataset-out picks it
+  for all twelve tables (mean accuracy / AUROC 0.831 / 0.928 against
+  0.828 / 0.927): the recipes' table rule;
 * ``clipping_hidden_every_size_cos_lr30_centred`` and ``..._ema_cos_...``:
   that rule with Adam's rate decayed to 0 on a cosine over the training
-  steps, without and with the average, declared in the eleventh session
-  before they ran (where the rule was more than 0.01 below the best, the
-  best was often the MLP without the average); no fold chose them (0.818 /
-  0.922 and 0.817 / 0.922: below the rule's mean accuracy on every table);
+  steps, without and with the average, declared before they ran (where the
+  rule was more than 0.01 below the best, the best was often the MLP
+  without the average); leave-one-dataset-out picks neither (0.818 / 0.922
+  and 0.817 / 0.922: below the rule's mean accuracy on every table);
 * ``pixels_below_12px_ema_lr30``: the image rule with Adam 0.03
   (``clipping_scatter_pixels_ema_lr30`` below 12×12 pixels,
-  ``clipping_scatter_ema_lr30`` from there), declared in the ninth session
-  before it ran, after 0.03 won on the tables; no fold chose it (mean
-  accuracy 0.864 against 0.897: it lost at ε = 1 on every set);
+  ``clipping_scatter_ema_lr30`` from there), declared before it ran, after
+  0.03 won on the tables; leave-one-dataset-out picks it for no image set
+  (mean accuracy 0.864 against 0.897: it lost at ε = 1 on every set);
 * ``clipping_cnn_ema`` / ``clipping_scatter_cnn_ema`` (images of at least 28×28
   pixels): the image recipe's per-example clipping (its C, batch size, epochs,
   Adam rate and moving average) on a convnet instead of a linear layer,
-  declared in the twelfth session before they ran, for the issue's convnet
-  deliverable: the end-to-end tanh CNN of DP-SGD on MNIST (Papernot et al.
+  declared before they ran, to measure a convnet against the linear rule:
+  the end-to-end tanh CNN of DP-SGD on MNIST (Papernot et al.
   2021, Tramèr & Boneh 2021) on the pixels moved to [-1/2, 1/2], and a small
   tanh CNN on the normalised scattering features (Tramèr & Boneh's
   ScatterNet + CNN); ``cnn_from_28px_ema`` / ``scatter_cnn_from_28px_ema``
-  use them from 28×28 pixels and the image rule below (`_cnn_layers`). No
-  fold chose them: both lost to the rule's linear layer on the scattering
+  use them from 28×28 pixels and the image rule below (`_cnn_layers`).
+  Leave-one-dataset-out picks neither: both lost to the rule's linear layer on the scattering
   features at every ε on both 28×28 sets (run on a GPU: their records carry a
   ``device``; every other run is on a 2-core CPU);
 * ``clipping_untuned``: what a user would write without a recipe: kdp's
@@ -131,7 +130,7 @@ each cell picked on the seeds it is scored on (biased upwards: the maximum of
 noisy means), and cross-fitted (picked on the even seeds, scored on the odd
 ones, and the other way round).
 
-**The issue's targets** are checked last, each against the numbers it names
+**The suite's targets** are checked last, each against the numbers it names
 (`target_report`); where the rule is more than 0.01 behind the best private
 method of a generated set (kdp's fixed methods, the untuned config, jax-privacy,
 diffprivlib), the gap is printed with its 95 % interval (Welch, over seeds).
@@ -166,27 +165,28 @@ EPSILONS = (1.0, 3.0, 8.0)
 #: ``clipping`` keeps the ε rule of the other clipping models there, the recipes' former rule)
 CLIPPING_LONG_EPOCHS = 60
 #: the training-set sizes where a candidate rule moves a table's Clipless τ·X from 64 to 128
-#: (fixed in the sixth session with the two tables added to place it, before they were run)
+#: (fixed, with the two tables gen_4k_2c and gen_10k_4c added to place it, before any run
+#: on those tables)
 ROWS_THRESHOLDS = (1_000, 2_000, 5_000, 10_000)
 #: the tables' former width rule, which every variant but ``*_hidden`` keeps: a hidden
 #: layer from this many training rows, a linear model below
 FORMER_HIDDEN_MIN_ROWS = 10_000
 #: the training-set sizes from which a candidate rule gives a table's model that hidden
-#: layer: 1k, 2k and 5k fixed in the sixth session before the ``_hidden`` variants ran
-#: (after one seed of each on gen_4k_2c and of Clipless on gen_5k_imb at ε = 3); 0 (every
-#: size, the recipes' rule in the sixth session) added after those runs
+#: layer: 1k, 2k and 5k fixed before the ``_hidden`` variants ran (after one seed of each
+#: on gen_4k_2c and of Clipless on gen_5k_imb at ε = 3); 0 (every size, a former recipes'
+#: rule) added after those runs
 HIDDEN_THRESHOLDS = (1_000, 2_000, 5_000, 0)
 
 
 #: Adam's learning rate of the table MLP in the ``_lr<k>`` candidates, in thousandths (the
-#: recipes' rule until then: 10). Declared in the ninth session before they ran: a probe
+#: former rule: 10). Declared before they ran: a probe
 #: (a DP-SGD loop outside kdp, two seeds) on gen_2k_lin and gen_4k_2c at ε = 1, the two
 #: generated tables where the rule was more than 0.01 below the best variant, moved
 #: gen_2k_lin 0.715 → 0.849 / 0.823 and gen_4k_2c 0.790 → 0.823 / 0.826 with 0.03 / 0.1
 #: (a wider or narrower layer, another C, 20 or 120 epochs, 0.003: at most 0.786)
 LEARNING_RATES = (30, 100)
-#: the table MLP's learning rate before the ninth session, which every table clipping
-#: variant without ``_lr<k>`` keeps (`kdp.recipes.TABLE_MLP_LEARNING_RATE` is 0.03 since)
+#: the table MLP's former learning rate, which every table clipping variant without
+#: ``_lr<k>`` keeps (`kdp.recipes.TABLE_MLP_LEARNING_RATE` is 0.03)
 FORMER_TABLE_LEARNING_RATE = 0.01
 
 
@@ -295,15 +295,15 @@ def _binary_from(rows):
 
 
 #: Clipless only for one binary output from 1,000 training rows (the τ rule's threshold),
-#: per-example clipping below and for more classes (both with the hidden layer); declared
-#: in the seventh session with seeds 3-9 of the tables below 1,000 rows, before they ran
+#: per-example clipping below and for more classes (both with the hidden layer); declared,
+#: with seeds 3-9 of the tables below 1,000 rows, before they ran
 COMPOSITE["hidden_every_size_binary_clipless_from_1k_else_clipping_centred"] = (
     _binary_from(1_000), "clipless_hidden_every_size_centred", "clipping_hidden_every_size_centred")
 #: the recipes' table rule with the image models' moving average of the weights (momentum
-#: 1 - 10/T for T steps, in [0.9, 0.999]); declared in the eighth session, before it ran,
-#: after the seventh's runs showed the rule's MLP ranking well but predicting near the
-#: majority at ε = 1 (gen_2k_lin: AUROC 0.938, the best, accuracy 0.727 for 0.700
-#: majority; iris 0.961 and 0.697): averaging the noisy iterates is the standard cure
+#: 1 - 10/T for T steps, in [0.9, 0.999]); declared before it ran, after the rule's MLP
+#: (Adam 0.01) was seen ranking well but predicting near the majority at ε = 1
+#: (gen_2k_lin: AUROC 0.938, the best, accuracy 0.727 for 0.700 majority; iris 0.961
+#: and 0.697): averaging the noisy iterates is the standard cure
 #: for noise in the final weights and costs no privacy
 COMPOSITE["clipping_hidden_every_size_ema_centred"] = (
     _hidden_below_the_recipes(0), "clipping_hidden_ema_centred", "clipping_long_ema_centred")
@@ -313,17 +313,16 @@ for _k in LEARNING_RATES:
         _hidden_below_the_recipes(0), f"clipping_hidden_lr{_k}_centred",
         f"clipping_long_lr{_k}_centred")
 #: the recipes' table rule (Adam 0.03) with the image models' moving average of the weights,
-#: declared in the tenth session before it ran: the eighth session's moving average (at
-#: Adam 0.01) was the best variant in five table cells after the ninth session, three of
-#: them where the rule is more than 0.01 below the best (gen_500_bal at ε = 1 and 8, wine
-#: at ε = 8), and a larger step makes the final iterate noisier, which the average cures
+#: declared before it ran: the moving average at Adam 0.01 was the best variant in five
+#: table cells of the Adam 0.03 rule's runs, three of them where that rule is more than
+#: 0.01 below the best (gen_500_bal at ε = 1 and 8, wine at ε = 8), and a larger step makes the final iterate noisier, which the average cures
 COMPOSITE["clipping_hidden_every_size_ema_lr30_centred"] = (
     _hidden_below_the_recipes(0), "clipping_hidden_ema_lr30_centred",
     "clipping_long_ema_lr30_centred")
 #: the recipes' table rule (Adam 0.03) with Adam's rate decayed to 0 on a cosine over the T
-#: training steps (``_cos``), without and with the moving average; declared in the eleventh
-#: session before they ran. After the tenth, the rule's MLP was more than 0.01 below the best
-#: variant in five cells, and in three of them (iris at ε = 1 / 3, gen_4k_2c at ε = 1) the
+#: training steps (``_cos``), without and with the moving average; declared before they
+#: ran. With the average, the rule's MLP was more than 0.01 below the best variant in
+#: five cells, and in three of them (iris at ε = 1 / 3, gen_4k_2c at ε = 1) the
 #: best was the same MLP without the average: the average of the last ~T/10 iterates lags
 #: behind a model that is still moving. A decaying step quiets the final iterates (what the
 #: average is for) without that lag, and with the average it makes the averaged iterates
@@ -332,13 +331,13 @@ for _ema in ("", "_ema"):
     COMPOSITE[f"clipping_hidden_every_size{_ema}_cos_lr30_centred"] = (
         _hidden_below_the_recipes(0), f"clipping_hidden{_ema}_cos_lr30_centred",
         f"clipping_long{_ema}_cos_lr30_centred")
-#: the recipes' image rule with Adam 0.03 (the recipes': 0.01), declared in the ninth
-#: session before it ran, after 0.03 won on every table fold: is the image models' linear
+#: the recipes' image rule with Adam 0.03 (the recipes': 0.01), declared before it ran,
+#: after 0.03 was picked for every table: is the image models' linear
 #: layer under-trained too? (each half runs only where the rule uses it)
 COMPOSITE["pixels_below_12px_ema_lr30"] = (_at_least(12), "clipping_scatter_ema_lr30",
                                            "clipping_scatter_pixels_ema_lr30")
 #: the image rule with a convnet from 28×28 pixels (`_cnn_layers`), end to end on the
-#: pixels or on the scattering features; declared in the twelfth session before they ran
+#: pixels or on the scattering features; declared before they ran
 for _f in ("", "scatter_"):
     COMPOSITE[f"{_f}cnn_from_28px_ema"] = (_at_least(28), f"clipping_{_f}cnn_ema",
                                            "pixels_below_12px_ema")
@@ -526,9 +525,9 @@ def load_results(path=None):
 
 #: the tables given more seeds (`main`'s ``--small-table-seeds``): fewer training rows than this
 SMALL_TABLE_ROWS = 1_000
-#: larger tables given those seeds too. gen_4k_2c: declared in the thirteenth session before
-#: its seeds 3-9 ran, every variant. Its cell at ε = 1 is where the issue's generated-set
-#: target ("within 0.01 of the best method") was missed by most: the rule 0.813 against
+#: larger tables given those seeds too. gen_4k_2c: declared before its seeds 3-9 ran, every
+#: variant. Its cell at ε = 1 is where the generated-set target of `target_report`
+#: ("within 0.01 of the best method") was missed by most: the rule 0.813 against
 #: 0.832 for the same MLP without the moving average, a gap of 0.020 measured on 3 seeds
 #: whose sd is 0.004-0.010, so the gap's standard error is about 0.01. Whatever the
 #: 10 seeds show is what the tables report.
@@ -708,7 +707,7 @@ def _gap_report(records, names, kind):
     return "\n".join(lines)
 
 
-#: the scikit-learn tables the issue's table targets name
+#: the scikit-learn tables the table targets of `target_report` name
 SKLEARN_TABLES = ("breast_cancer", "wine", "iris")
 #: the private methods the generated-set target compares the rule with, besides kdp's fixed ones
 PEERS = ("clipping_untuned", "jax_privacy", "jax_privacy_lr10", "diffprivlib")
@@ -740,7 +739,7 @@ def _verdict(missed):
 
 
 def target_report(records, datasets):
-    """The issue's targets on the suite's data, each with what decides it: the rule now
+    """The suite's targets on its data, each with what decides it: the rule now
     (`RULE_NOW`, what ``method="auto"`` trains) against the numbers the target names."""
     present = set(datasets)
     image, table = RULE_NOW["image"], RULE_NOW["table"]
@@ -749,7 +748,7 @@ def target_report(records, datasets):
         s = _stats(records, d, m, eps, metric)
         return s[0] if s else math.nan
 
-    lines = ["The issue's targets on the suite's data (the rule now; mean over seeds)"]
+    lines = ["The suite's targets on its data (the rule now; mean over seeds)"]
     if "digits" in present:
         got = {e: mean("digits", image, e) for e in EPSILONS}
         missed = [f"ε = {e:g}" for e, t in zip(EPSILONS, (0.90, 0.94, 0.95)) if not got[e] >= t]

@@ -1,4 +1,4 @@
-"""External baselines of the recipe suite (issue 32), on `suite_data`'s datasets.
+"""External baselines of the recipe suite, on `suite_data`'s datasets.
 
 For every dataset, ε ∈ {1, 3, 8} and seeds {0, 1, 2}, with the suite's split and
 its one scoring function (`suite_data.scores`: accuracy and AUROC):
@@ -17,7 +17,7 @@ its one scoring function (`suite_data.scores`: accuracy and AUROC):
   (``rescale_to_unit_norm`` at its default, True), expected batch size
   b = min(256, N_train // 4) with its Poisson sampling (``poisson_sampling_in_fit``),
   20 epochs of ⌊N_train / b⌋ steps, Adam(1e-3) (Keras' default) or Adam(1e-2) (the
-  rate of kdp's image recipes, since the tenth session), σ calibrated by its own PLD
+  rate of kdp's image recipes), σ calibrated by its own PLD
   accountant for (ε, δ = `suite_data.delta_for(N_train)`).
 
 diffprivlib needs scikit-learn < 1.7 and jax-privacy needs its own jax / keras, so
@@ -79,10 +79,9 @@ DEFAULT_OUT = os.path.join(HERE, "results", "suite_baselines.json")
 EPSILONS = (1.0, 3.0, 8.0)
 SEEDS = (0, 1, 2)
 #: jax-privacy's config, run at two Adam learning rates (method name -> rate): Keras'
-#: default 1e-3 (the suite's first, "untuned" config) and 1e-2, the rate of kdp's image
-#: recipes, added in the tenth session because 1e-3 under-trains in 20 epochs (digits
-#: 0.36 at ε = 1 where the issue reported 0.874 for its config; 1e-2 gave 0.86 in one
-#: probe run before the others ran)
+#: default 1e-3 (the "untuned" config) and 1e-2, the rate of kdp's image recipes, because
+#: 1e-3 under-trains in 20 epochs (digits 0.36 at ε = 1; 1e-2 gave 0.86 in one probe run,
+#: made before the other runs)
 JP_EPOCHS = 20
 JP_CLIP = 1.0
 JP_LEARNING_RATES = {"jaxprivacy_mlp": 1e-3, "jaxprivacy_mlp_lr10": 1e-2}

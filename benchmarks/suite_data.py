@@ -1,4 +1,4 @@
-"""The recipe suite's datasets and its one scoring function (issue 32).
+"""The recipe suite's datasets and its one scoring function.
 
 Imports numpy and scikit-learn only (no kdp, no keras), so that every runner
 (kdp's suite, and the external baselines in their own venvs) can import it from
@@ -20,9 +20,8 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
   (``gen_2k_10c``: ``n_informative=10``; ``gen_20k_5c``: 8, five classes
   40/25/15/12/8 %, added with the ``clipping_long`` variant as a second large
   multi-class table; ``gen_4k_2c``: two classes 75/25 %, and ``gen_10k_4c``:
-  6 informative, four classes 40/30/20/10 %, both added in the sixth session, before
-  they were run, so that the N of a Clipless rule is seen between 1,500 and 15,000
-  training rows), declared range ``[-5, 5]`` per feature (we generated the
+  6 informative, four classes 40/30/20/10 %, both added before any run on them,
+  so that the N of a Clipless rule is seen between 1,500 and 15,000 training rows), declared range ``[-5, 5]`` per feature (we generated the
   data: the range is a public design choice), clipped. The N in each name
   (500, 4k, 5k, 10k, 50k, 2k, 20k) counts all rows *before* the split.
   ``make_classification``'s classes are clusters at the vertices of a
@@ -31,10 +30,10 @@ mapping every row of ``d`` columns has L2 norm at most ``max_norm = sqrt(d)``.
 * gen_2k_lin (two classes 70/30 %), gen_6k_lin_3c (three classes 50/30/20 %):
   classes split by parallel hyperplanes (`_generated_linear`:
   ``make_regression``'s linear target with noise, cut at quantiles), declared
-  range [-5, 5]. Added in the seventh session, before they were run, because
-  a linear-logistic table outside the suite (the calibration benchmark's
-  clinical table) lost 0.01-0.03 AUROC with the table rules' hidden layer:
-  the suite had no table where a linear model is right.
+  range [-5, 5]. Added, before any run on them, because a linear-logistic
+  table outside the suite (the calibration benchmark's clinical table) lost
+  0.01-0.03 AUROC with the table rules' hidden layer: the suite had no table
+  where a linear model is right.
 * glyph_digits, glyph_letters: generated 28x28 grey images of handwriting-like
   characters (`render_glyphs`): the ten digits (5,400 rows) or the 26 lowercase
   letters (8,000 rows), each drawn in one of the 21 faces of the fonts that
