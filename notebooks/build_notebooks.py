@@ -150,7 +150,8 @@ plt.show()'''),
 
 `model.privacy_statement()` is a text for the model card: the mechanism, the
 adjacency, the sampling, what the privacy ledger holds, ε at δ and at two smaller
-δ, and what the guarantee does not cover."""),
+δ (by default the smaller of dp-accounting's PLD and RDP bounds, each an upper
+bound on ε; see notebook 3), and what the guarantee does not cover."""),
     new_code_cell('''\
 print(model.privacy_statement())'''),
     new_markdown_cell("""\
@@ -322,7 +323,9 @@ ACCOUNTING = [
 
 kdp accounts under **add/remove-one** adjacency with **Poisson sampling** at
 rate `q = b/N`: every step is a Poisson-subsampled Gaussian mechanism, and the
-steps compose in one `dp-accounting` accountant (RDP by default, PLD on request).
+steps compose in `dp-accounting`'s accountants. By default kdp reports the smaller
+of the PLD and RDP bounds on ε (`accountant="tightest"`); `accountant="pld"` or
+`"rdp"` asks for one of them.
 This notebook needs almost no training: it is about the numbers."""),
     new_code_cell(SETUP),
     new_code_cell('''\
@@ -411,8 +414,9 @@ for strategy in ("global", "per-layer"):
 ## RDP vs PLD
 
 Both accountants are upper bounds on the true ε; the PLD (privacy loss
-distribution) accountant is numerically tighter (here by about 10 %) and
-slower."""),
+distribution) accountant is numerically tighter here (by about 10 %) and
+slower. kdp's default takes the smaller of the two: every other ε and σ in
+this notebook is the tighter one."""),
     new_code_cell('''\
 epochs_grid = [1, 20] if SMALL else [1, 5, 10, 20, 40, 80]
 rdp = [accounting.compute_epsilon(SIGMA, q, e * spe, DELTA, accountant="rdp") for e in epochs_grid]
@@ -472,7 +476,8 @@ assert accounting.get_max_epochs(3.0, model) == 40'''),
     new_markdown_cell("""\
 The budget is enforced during training too. `make_private` makes its target the
 model's `epsilon_max`; `DP_Accountant(epsilon_max=...)` adds a budget for one
-`fit` (and `accountant="pld"` or `log_fn="logging"` if you want them). `fit`
+`fit` (with `accountant="pld"` or `"rdp"` for one accountant's ε instead of the
+smaller of both, and `log_fn="logging"`, if you want them). `fit`
 stops, with a warning, before the step that would exceed a budget."""),
     new_code_cell('''\
 model = make_model("global", 2.5)  # too little noise for 50 epochs
