@@ -33,6 +33,12 @@ class DP_Accountant(keras.callbacks.Callback):
     #: its batch-end hook writes its own ε; it reads nothing `fit` puts in the step logs.
     reads_batch_logs = False
 
+    @property
+    def async_safe(self):
+        """Keras may dispatch its batch ends to a worker thread unless ``per_step``
+        (the exact ε after every step reads the ledger as that step left it)."""
+        return not self.per_step
+
     def __init__(self, epsilon_max=None, accountant=None, per_step=False, log_fn=None):
         super().__init__()
         if epsilon_max is not None and not epsilon_max > 0:

@@ -330,14 +330,16 @@ class PrivacyGate:
         """Merge ``ledger`` into this gate's (`PrivacyLedger.merge`: nothing is lost)."""
         self.ledger = self.ledger.merge(ledger)
 
-    def privacy_spent(self, accountant=None, ahead=0):
+    def privacy_spent(self, accountant=None, ahead=0, ledger=None):
         """``(ε, δ)`` of every release in the ledger, with ``accountant`` (``None``:
         the gate's, `accountant_for`). ``ahead > 0``: as if the ledger's last entry
         had ``ahead`` more releases, an upper bound on ε after any of them (ε
-        grows with every release), for logs that need not be computed each step."""
-        events = self.ledger.events()
+        grows with every release), for logs that need not be computed each step.
+        ``ledger``: another ledger than the gate's (e.g. a copy taken before a step)."""
+        ledger = self.ledger if ledger is None else ledger
+        events = ledger.events()
         if ahead and events:
-            last = self.ledger.entries[-1]
+            last = ledger.entries[-1]
             events[-1] = mechanism_event(entry_mechanism(last), last["count"] + int(ahead))
         eps = privacy.epsilon_of_events(events, self.delta, self.accountant_for(events, accountant),
                                         self.neighboring)
