@@ -210,7 +210,7 @@ def test_logit_dp_sensitivity_random_and_adversarial(tau, record_property):
         x, xp = _worst_case_batch(n, lin.trainable_variables[0].value, 1.5, rng)
         d = _diff(fn, engine, x, xp, *_masks(n, n - 1))
         ratios.append(d / DP_InfoNCE(tau).sensitivity(n, 1e-4))
-    record_property("ratios", ratios)
+    record_property("ratios", [float(r) for r in ratios])
     print(f"\nlogit-dp tau={tau}: max ratio {max(ratios):.3f}", np.round(ratios, 3))
     assert max(ratios) <= 1.0
     assert max(ratios) > 0.05  # the test measures something
