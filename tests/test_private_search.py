@@ -155,7 +155,7 @@ def test_a_trial_above_its_declared_event_stops_the_search_with_every_trial_comp
     ledger = info.value.ledger
     assert ledger.releases("event") == 1 + 1 + 2  # trials 1, 2 and the offending 3
     expected = epsilon_from_rdp(gaussian_rdp(3.0) * 4, 1e-5)
-    assert accounting.epsilon_of_events(ledger.events(), 1e-5) == pytest.approx(expected, rel=1e-6)
+    assert accounting.epsilon_of_events(ledger.events(), 1e-5, "rdp") == pytest.approx(expected, rel=1e-6)
 
 
 def test_poisson_may_draw_no_trial_and_still_charges_the_search():
