@@ -29,14 +29,44 @@ _registered = False
 def __getattr__(name):
     """A public name, or a submodule (``kdp.datasets``), imported on first use."""
     if name in _SOURCES:
-        module = importlib.import_module(_SOURCES[name])
+        module = _import(_SOURCES[name])
         value = module if module.__name__ == f"kdp.{name}" else getattr(module, name)
     elif _is_submodule(name):
-        value = importlib.import_module(f"kdp.{name}")
+        value = _import(f"kdp.{name}")
     else:
         raise AttributeError(f"module 'kdp' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def _import(module):
+    """``importlib.import_module``, naming kdp's extra to install when the package of
+    Keras' backend is missing (Keras' own error points deep into Keras)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        backend, chosen_by = _configured_backend()
+        if backend not in ("jax", "tensorflow") or (e.name or "").partition(".")[0] != backend:
+            raise
+        raise ModuleNotFoundError(
+            f"No module named {backend!r}, the Keras backend {chosen_by}: install it with "
+            f"pip install 'kdp[{backend}]', or choose an installed backend "
+            f"(KERAS_BACKEND=jax or tensorflow).", name=backend) from e
+
+
+def _configured_backend():
+    """``(backend, how it was chosen)`` as Keras chooses it at import."""
+    import json
+    import os
+
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"], "set by KERAS_BACKEND"
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            return json.load(f)["backend"], "named by keras.json"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "tensorflow", "Keras uses by default"
 
 
 def __dir__():

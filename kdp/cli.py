@@ -68,9 +68,12 @@ def _delta(text):
 
 
 def build_parser():
+    from kdp import __version__
+
     parser = argparse.ArgumentParser(
         prog="kdp", description="kdp: differentially private deep learning for Keras 3."
     )
+    parser.add_argument("--version", action="version", version=f"kdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
@@ -91,7 +94,8 @@ def build_parser():
                            "(per-example clipping DP-SGD) or auto (the recipe's choice, "
                            "kdp.recipes: Clipless for the digits' pixels); default: auto")
     demo.add_argument("--backend", choices=BACKENDS, default=None,
-                      help="Keras backend (default: $KERAS_BACKEND, else tensorflow)")
+                      help="Keras backend (default: $KERAS_BACKEND, else Keras' own: tensorflow, "
+                           "or jax where TensorFlow is not installed)")
     demo.add_argument("--epochs", type=_positive_int, default=None,
                       help="number of epochs (default: the recipe's, kdp.recipes)")
     demo.add_argument("--noise-multiplier", type=_positive_float, default=None,
@@ -106,6 +110,25 @@ def build_parser():
 
 
 # --- backend selection -------------------------------------------------------------
+
+def _default_backend():
+    """``"jax"`` where Keras would pick TensorFlow (no ``KERAS_BACKEND``, and
+    tensorflow or nothing in its ``keras.json``) but only JAX is installed; else None."""
+    import importlib.util
+
+    if os.environ.get("KERAS_BACKEND"):
+        return None
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            configured = json.load(f).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        configured = "tensorflow"
+    if (configured == "tensorflow" and importlib.util.find_spec("tensorflow") is None
+            and importlib.util.find_spec("jax") is not None):
+        return "jax"
+    return None
+
 
 def _ensure_backend(backend, argv):
     """Make sure Keras runs ``backend``: set the variable, or re-execute once."""
@@ -193,8 +216,26 @@ def save_plot(history, path, title):
     plt.close(fig)
 
 
+def _set_random_seed(seed):
+    """`keras.utils.set_random_seed`, without importing TensorFlow on another backend:
+    Keras also seeds TensorFlow whenever it is installed, which costs its import
+    (seconds, and its C++ log lines) to a demo that feeds no `tf.data` pipeline."""
+    import keras
+
+    lazy_tf = getattr(sys.modules.get("keras.src.utils.module_utils"), "tensorflow", None)
+    if (keras.backend.backend() == "tensorflow" or "tensorflow" in sys.modules
+            or getattr(lazy_tf, "_available", False) is not None):
+        keras.utils.set_random_seed(seed)
+        return
+    lazy_tf._available = False  # read by `available`, which imports TensorFlow to find out
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        lazy_tf._available = None
+
+
 def _process_age():
-    """Seconds since this process started (Linux), or None."""
+    """Seconds since this process started (Linux; to about a second), or None."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -213,6 +254,7 @@ def run_demo(args):
     from kdp import privacy, recipes
     from kdp.datasets import load_dataset
 
+    imported = time.perf_counter()
     (x_train, y_train), (x_test, y_test), md = load_dataset(args.dataset, batch_size=1)
     n = md.nb_samples_train
     if not args.delta < 1.0 / n:
@@ -240,7 +282,8 @@ def run_demo(args):
                 f"> target {args.epsilon:g}; lower --epochs or raise --noise-multiplier")
     recipe.epochs = epochs
 
-    model = recipe.build(seed=0)  # the seed is for initialisation only (noise: OS entropy)
+    _set_random_seed(0)  # for initialisation only (noise: OS entropy)
+    model = recipe.build()
     if sigma is not None:  # a σ given by hand: the target stays the budget
         model.dp_parameters = model.dp_parameters.replace(noise_multiplier=sigma)
     sigma = model.step_plan().noise_multiplier
@@ -250,17 +293,24 @@ def run_demo(args):
         f"q={q:.4f}, sigma={sigma:.4f}, backend {keras.backend.backend()}",
         flush=True,
     )
+    fit_start = time.perf_counter()
     history = model.fit(
         x_train, y_train, epochs=epochs, validation_data=(x_test, y_test),
         verbose=0 if args.quiet else 1,
     ).history
+    trained = time.perf_counter()
     eps, delta = model.privacy_spent()
     test_acc = float(model.evaluate(x_test, y_test, verbose=0, batch_size=512)[1])
     radius = DEFAULT_RADIUS if args.radius is None else args.radius
     cert, lip = (certified_accuracy(model, x_test, y_test, [radius]) if recipe.method == "clipless"
                  else ({float(radius): None}, None))
-    wall = time.perf_counter() - start
-    total = _process_age()
+    # seconds: imports of Keras, its backend and kdp; data, recipe, calibration and
+    # model; `fit` (its first epoch compiles the step); evaluation and certificate
+    end = time.perf_counter()
+    times = {"imports": imported - start, "setup": fit_start - imported,
+             "training": trained - fit_start, "evaluation": end - trained}
+    # since the process started: also the interpreter's start and what ran before
+    process = _process_age()
 
     os.makedirs(args.out, exist_ok=True)
     plot_path = os.path.join(args.out, PLOT_FILE.format(args.dataset))
@@ -276,7 +326,8 @@ def run_demo(args):
         "recipe": recipe.describe().splitlines(),
         "test_accuracy": test_acc, "certified_radius": radius,
         "certified_accuracy": cert[float(radius)], "lipschitz_constant": lip,
-        "wall_time_s": wall, "process_time_s": total, "backend": keras.backend.backend(), "plot": plot_path,
+        "time_s": times, "process_time_s": process, "backend": keras.backend.backend(),
+        "plot": plot_path,
         "history": {k: [float(v) for v in vals] for k, vals in history.items()},
     }
     with open(os.path.join(args.out, REPORT_FILE.format(args.dataset)), "w") as f:
@@ -287,6 +338,8 @@ def run_demo(args):
 
 def format_report(r):
     from kdp import privacy
+
+    t = r["time_s"]
 
     robustness = (
         f"certified accuracy at radius {r['certified_radius']:g} = "
@@ -304,9 +357,14 @@ def format_report(r):
         f"{privacy.accountant_name(r['accountant'])}",
         f"  utility    test accuracy = {r['test_accuracy']:.4f}",
         f"  robustness {robustness}",
-        f"  run        wall time = {r['wall_time_s']:.1f} s"
-        + ("" if r.get("process_time_s") is None else f" ({r['process_time_s']:.0f} s with start-up)")
-        + f", backend = {r['backend']}",
+        f"  time       training {t['training']:.1f} s ({r['epochs']} epoch"
+        f"{'s' * (r['epochs'] != 1)}, with compilation), "
+        f"evaluation {t['evaluation']:.1f} s",
+        f"             before training: imports {t['imports']:.1f} s (Keras, {r['backend']}, kdp), "
+        f"data and model {t['setup']:.1f} s",
+        "             " + ("" if r.get("process_time_s") is None else
+                          f"{r['process_time_s']:.0f} s in all since the process started, ")
+        + f"backend = {r['backend']}",
         f"  plot       {r['plot']}",
     ]
     return "\n".join(lines)
@@ -319,10 +377,16 @@ def main(argv=None):
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    _ensure_backend(args.backend, argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # before TensorFlow loads (imported by Keras, here or after a re-execution): none
+    # of its C++ start-up lines (oneDNN, cpu_feature_guard, CUDA probes on a machine
+    # without a GPU); `quiet_cpp_logs` drops those it writes whatever the level
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    _ensure_backend(args.backend or _default_backend(), argv)
     if args.command == "demo":
-        run_demo(args)
+        from kdp._quiet import quiet_cpp_logs
+
+        with quiet_cpp_logs():
+            run_demo(args)
     return 0
 
 

@@ -27,3 +27,24 @@ def _seed():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+#: test modules whose results do not depend on the Keras backend (pure accounting,
+#: static checks of files): `tests/run_suite.py` runs them once
+BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_stored.py",
+                       "test_packaging.py", "test_quiet.py"}
+#: test modules run again in a simulated JAX-only installation (`tests/run_suite.py`)
+WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py", "test_sources.py"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backend_independent: run once, not on each backend")
+    config.addinivalue_line("markers", "without_tensorflow: run again without TensorFlow")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in BACKEND_INDEPENDENT:
+            item.add_marker(pytest.mark.backend_independent)
+        if item.path.name in WITHOUT_TENSORFLOW:
+            item.add_marker(pytest.mark.without_tensorflow)

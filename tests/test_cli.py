@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 
+import _without_tensorflow as without_tensorflow
 from kdp import accounting, cli
 
 BACKEND = keras.backend.backend()
@@ -123,6 +124,15 @@ def test_demo_end_to_end(tmp_path):
     assert "epsilon" in out  # the progress bar shows ε
     report = json.loads((tmp_path / "report_digits.json").read_text())
     assert report["backend"] == BACKEND and f"backend = {BACKEND}" in out
+    # the time of each phase, named: training is not the process's start-up
+    times = report["time_s"]
+    assert set(times) == {"imports", "setup", "training", "evaluation"}
+    assert all(t > 0 for t in times.values())
+    assert f"training {times['training']:.1f} s (2 epochs" in out
+    assert f"imports {times['imports']:.1f} s (Keras, {BACKEND}, kdp)" in out
+    if report["process_time_s"] is not None:  # Linux: the process's age, to about a second
+        assert report["process_time_s"] >= sum(times.values()) - 1.5
+        assert f"{report['process_time_s']:.0f} s in all since the process started" in out
     assert 0 < report["epsilon"] <= 2.0 + 1e-9
     assert report["method"] == "clipless" and report["batch_size"] == 256
     assert report["delta"] == 1e-5 and report["steps"] == 2 * 6 and report["epochs"] == 2
@@ -135,6 +145,108 @@ def test_demo_end_to_end(tmp_path):
     assert len(report["history"]["epsilon"]) == 2
     png = tmp_path / "demo_digits.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# --- a quiet console on either backend ------------------------------------------------
+
+#: what TensorFlow's start-up writes to stderr (besides the C++ log lines of
+#: `kdp._quiet.CPP_LOG_LINE`), the continuation of cpu_feature_guard's line included
+TF_NOISE = ("oneDNN custom operations", "This TensorFlow binary is optimized",
+            "To enable the following instructions", "cuda drivers", "cuInit", "TensorRT")
+
+
+def tensorflow_noise(stderr):
+    """The lines of ``stderr`` that TensorFlow's (or XLA's, absl's) C++ start-up wrote."""
+    from kdp._quiet import ABSL_NOTICE, CPP_LOG_LINE
+
+    return [line for line in stderr.splitlines()
+            if CPP_LOG_LINE.match(line) or line.startswith(ABSL_NOTICE)
+            or any(text in line for text in TF_NOISE)]
+
+
+def test_the_noise_check_flags_tensorflow_start_up_lines():
+    """Control for the check below: it flags what TensorFlow prints (both log formats),
+    not an ordinary warning."""
+    samples = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        "I0000 00:00:1795909291.955635    5035 cudart_stub.cc:31] Could not find cuda drivers "
+        "on your machine, GPU will not be used.",
+        "E0000 00:00:1795909309.984841    5035 cuda_platform.cc:52] failed call to cuInit: INTERNAL",
+        "I0000 00:00:1795908328.355398   23989 cpu_feature_guard.cc:227] This TensorFlow binary is "
+        "optimized to use available CPU instructions in performance-critical operations.",
+        "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow "
+        "with the appropriate compiler flags.",
+        "2024-03-01 12:17:26.167599: I tensorflow/core/util/port.cc:113] oneDNN custom operations "
+        "are on. You may see slightly different numerical results.",
+    ]
+    ordinary = "/work/kdp/model.py:12: UserWarning: dp__sequential: no noise multiplier was chosen"
+    assert tensorflow_noise("\n".join(samples + [ordinary])) == samples
+
+
+def _has(module):
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
+def test_the_demo_prints_no_tensorflow_start_up_lines(backend, tmp_path):
+    """The demo's stderr holds none of TensorFlow's C++ start-up lines, whatever the
+    user's TF_CPP_MIN_LOG_LEVEL was (here: unset); with --backend jax, TensorFlow is
+    not even imported (Keras' set_random_seed would import it). Control: TensorFlow,
+    imported at the log level a user may choose (0), does print such lines here."""
+    if not _has(backend):
+        pytest.skip(f"{backend} is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    code = (without_tensorflow.PRELUDE if env.get(without_tensorflow.VARIABLE) == "1" else "") + f"""
+import sys
+from kdp.cli import main
+code = main(["demo", "--backend", {backend!r}, "--epochs", "1", "--quiet", "--out", {str(tmp_path)!r}])
+print("tensorflow imported:", "tensorflow" in sys.modules)
+sys.exit(code)
+"""
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "kdp demo report" in result.stdout
+    assert tensorflow_noise(result.stderr) == [], result.stderr[-3000:]
+    assert f"tensorflow imported: {backend == 'tensorflow'}" in result.stdout
+    if backend == "tensorflow":  # control: this TensorFlow has start-up lines to hide
+        control = subprocess.run(
+            [sys.executable, "-c", "import tensorflow as tf; tf.constant(1.0) + 1"],
+            env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"), capture_output=True, text=True, timeout=300)
+        if control.stderr.strip():
+            assert tensorflow_noise(control.stderr), control.stderr[-2000:]
+
+
+def test_the_backend_defaults_to_jax_only_where_tensorflow_is_missing(monkeypatch, tmp_path):
+    find_spec = importlib.util.find_spec
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    installed = {"tensorflow", "jax"}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: find_spec("os") if name in installed else None)
+    assert cli._default_backend() is None  # Keras' own default, TensorFlow
+    installed.discard("tensorflow")
+    assert cli._default_backend() == "jax"
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert cli._default_backend() is None  # the user's configured backend
+    (tmp_path / "keras.json").write_text('{"backend": "tensorflow"}')  # Keras writes its default
+    assert cli._default_backend() == "jax"
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    assert cli._default_backend() is None
+
+
+# --- the version ---------------------------------------------------------------------------
+
+def test_version_flag(capsys):
+    import kdp
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kdp {kdp.__version__}"
+    result = subprocess.run([sys.executable, "-m", "kdp", "--version"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"kdp {kdp.__version__}"
 
 
 # --- start-up: `--help` without Keras, a lazy package --------------------------------

@@ -238,6 +238,32 @@ def _describe_fixed(model):
     return " and ".join(parts) or "the ledger's releases"
 
 
+def default_noise_warning(model, mechanism, epochs, steps, budgeted):
+    """A warning text for the first `fit` of a model whose σ nobody chose (the
+    `DPParameters` default, no `make_private`) and that no budget limits: the ε
+    its ``steps`` planned steps of ``mechanism`` (``epochs`` epochs) will cost,
+    and how to choose σ; else ``None``."""
+    params = model.dp_parameters
+    if not params.noise_multiplier_is_default or budgeted or getattr(model, "_default_noise_warned",
+                                                                     False):
+        return None
+    model._default_noise_warned = True
+    plan = model.step_plan()
+    events = (model.privacy_ledger.events() + planned_events(model, steps)
+              + [mechanism_event(mechanism, steps)])
+    eps = privacy.epsilon_of_events(events, plan.delta, model.privacy_gate.accountant_for(events),
+                                    plan.neighboring)
+    sigma, sigma_eff = params.noise_multiplier, plan.effective_noise_multiplier
+    per_layer = (f" (one Gaussian of σ_eff={sigma_eff:.3g} per step, by its per-layer noise)"
+                 if abs(sigma_eff - sigma) > 1e-9 * sigma else "")
+    return (
+        f"{model.name}: no noise multiplier was chosen, so fit trains with the default "
+        f"σ={sigma:g}{per_layer} and no privacy budget: {epochs} epoch{'s' * (epochs != 1)} "
+        f"({steps} steps) will cost ε={eps:.3g} (δ={plan.delta:g}). Choose the privacy level with "
+        "model.make_private(target_epsilon=..., epochs=...), or σ with "
+        "DPParameters(noise_multiplier=...) (and a budget with epsilon_max=...).")
+
+
 def plain_calibration_warning(model):
     """A warning text if σ came from `kdp.privacy.calibrate_noise_multiplier` (one
     Gaussian of multiplier σ per step) but the model adds less noise than that

@@ -8,6 +8,8 @@ from kdp.training.sampling import check_batch_shapes
 from kdp.training.seeds import check_seed, draw_seed
 
 NOISIFY_STRATEGIES = ("per-layer", "global")
+#: σ when `DPParameters` is given none (`fit` then warns what it costs)
+DEFAULT_NOISE_MULTIPLIER = 1.0
 
 
 class DPParameters:
@@ -16,7 +18,9 @@ class DPParameters:
     Args:
         noisify_strategy: ``"per-layer"`` (std ``σ c_v Δ_v / b`` per variable) or
             ``"global"`` (std ``σ √(Σ Δ_v²) / b`` everywhere).
-        noise_multiplier: ``σ > 0``.
+        noise_multiplier: ``σ > 0``; if not given, `DEFAULT_NOISE_MULTIPLIER`, and
+            the first `fit` without a budget warns what its epochs cost at that σ
+            (`make_private` sets σ for a target ε; ``noise_multiplier_is_default``).
         delta: the δ of the reported (ε, δ); must be ``< 1/N`` unless
             ``allow_large_delta=True``.
         sampling: ``"poisson"`` (default, what the accountant assumes) or
@@ -47,7 +51,7 @@ class DPParameters:
             +19 % rows at b = 1024). Speed only: the guarantee is the same.
     """
 
-    def __init__(self, noisify_strategy="per-layer", noise_multiplier=1.0, delta=1e-5,
+    def __init__(self, noisify_strategy="per-layer", noise_multiplier=None, delta=1e-5,
                  sampling="poisson", reproducible=False, seed=None, allow_large_delta=False,
                  clipping_norm=None, clipping="flat", physical_batch_size=None, epsilon_max=None,
                  batch_shapes=3):
@@ -55,6 +59,9 @@ class DPParameters:
             raise ValueError(
                 f"noisify_strategy must be one of {NOISIFY_STRATEGIES}, got {noisify_strategy!r}"
             )
+        default = noise_multiplier is None
+        if default:
+            noise_multiplier = DEFAULT_NOISE_MULTIPLIER
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier}")
         if not 0 < delta < 1:
@@ -66,6 +73,8 @@ class DPParameters:
         # A σ from `calibrate_noise_multiplier` keeps what it was calibrated for.
         self.noise_multiplier = (noise_multiplier if isinstance(
             noise_multiplier, privacy.CalibratedNoiseMultiplier) else float(noise_multiplier))
+        #: σ was not given (the default): nobody chose the privacy level
+        self.noise_multiplier_is_default = default
         self.delta = float(delta)
         self.sampling = sampling
         self.reproducible = bool(reproducible)
@@ -88,8 +97,8 @@ class DPParameters:
 
     def replace(self, **changes):
         """A copy with ``changes`` applied (validated like the constructor)."""
-        return DPParameters(**{**self.get_config(), "noise_multiplier": self.noise_multiplier,
-                               **changes})
+        sigma = None if self.noise_multiplier_is_default else self.noise_multiplier
+        return DPParameters(**{**self.get_config(), "noise_multiplier": sigma, **changes})
 
     def draw_seed(self, offset=0):
         """The fixed seed (+ offset) if reproducible, else 64 bits of OS entropy."""

@@ -15,9 +15,10 @@
    (`kdp.training.stepping`), one recorded release of the plan per step: its
    ``fit_mechanism`` on batches kdp draws, its ``batch_mechanism`` (no
    amplification) on a stream's;
-4. run Keras' own loop with `_GateCallback` first (budget stop, ε in the logs,
-   provable refunds at an epoch's end) and a progress bar that ends where a
-   budget stop ends the epoch.
+4. run Keras' own loop with the gate's callback first (budget stop, ε in the
+   logs, provable refunds at an epoch's end) and a progress bar that ends where a
+   budget stop ends the epoch (`kdp.training.fit_callbacks`: both let Keras
+   dispatch batch ends asynchronously, so the host never waits for a step).
 """
 
 import contextlib
@@ -28,9 +29,10 @@ import warnings
 import keras
 import numpy as np
 
-from kdp import distribute
+from kdp import distribute, privacy
 from kdp.training import budget
 from kdp.training.callbacks import DP_Accountant, PrivacyJournal
+from kdp.training.fit_callbacks import fit_callbacks
 from kdp.training.ledger import LedgerJournal
 from kdp.training.processes import DistributedTrainingError, ProcessGroup
 from kdp.training.sampling import ArrayRecords, fit_batches
@@ -38,9 +40,6 @@ from kdp.training.sources import RecordSource, ValidatedRecords, as_source
 from kdp.training.stepping import finish_releases, kdp_error, set_cotangent_scale
 from kdp.training.validation import DataValidationError, probe_loss, validate_batch, validate_stream
 
-
-#: how many times an epoch's step logs compute ε when PLD is computed
-PLD_POINTS_PER_EPOCH = 4
 
 #: the warning of a `fit` on a dataset or generator (shuffle mode)
 STREAM_ACCOUNTING = (
@@ -50,82 +49,6 @@ STREAM_ACCOUNTING = (
     "repeated record is refused). This costs far more ε than kdp's own shuffled passes "
     "(and a budget set by make_private stops such a fit sooner): pass NumPy arrays or a "
     "kdp.RecordSource to have each pass accounted as one release.")
-
-
-class _GateCallback(keras.callbacks.Callback):
-    """`fit`'s side of the gate: takes back the steps of a block that provably did
-    not run (the end of an epoch inside a ``steps_per_execution`` block: neither
-    Keras nor the step's host check saw them), stops training before a block the
-    budgets would not allow (`fit` then warns), and writes ``epsilon`` into every
-    step's logs (when anything reads them; with PLD an upper bound, `_ahead`)
-    and the exact ``epsilon``, ``delta`` into every epoch's.
-
-    It is first in `fit`'s list, so other callbacks (checkpoints, accountants)
-    see a ledger that covers the step they observe. It reads ``self._model``, not
-    ``self.model`` (whose JAX state sync would cost three copies of the weights
-    per step). On several processes (``processes``) it checks that their ledgers
-    and budgets agree at the first step and at every epoch's end.
-    """
-
-    def __init__(self, mechanism, block, processes=None, epsilon_per_step=True):
-        super().__init__()
-        self.mechanism, self.block = mechanism, block
-        self.processes = processes
-        self.epsilon_per_step = epsilon_per_step
-        self._verified = processes is None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._recorded = 0  # steps of this epoch recorded (run or about to run)
-        self._epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if not self._verified:
-            self.processes.verify()
-            self._verified = True
-        self._recorded += self.block
-
-    def on_train_batch_end(self, batch, logs=None):
-        gate = self._model.privacy_gate
-        done = batch + 1  # Keras passes the index of the last step executed
-        if done < self._recorded:
-            gate.settle(self._recorded - done)
-            self._recorded = done
-        if logs is not None and self.epsilon_per_step:  # skipped if unread
-            logs["epsilon"] = gate.privacy_spent(ahead=self._ahead(gate, done))[0]
-        if gate.remaining(self.mechanism) < self.block and not self._last_step(done):
-            self._model.stop_training = True
-            self._model._budget_stop = True
-
-    def _ahead(self, gate, done):
-        """Steps to the next of `PLD_POINTS_PER_EPOCH` points of the epoch (its end
-        included) when ε is computed with PLD (≈ 30 ms an ε, against ≈ 0.3 ms
-        with RDP, which stays exact every step): a step's logs show the ε of that
-        point, an upper bound, and the epoch's end its exact ε."""
-        steps = (self.params or {}).get("steps")
-        if not steps or gate.accountant == "rdp":
-            return 0
-        every = -(-steps // PLD_POINTS_PER_EPOCH)
-        return min(-done % every, max(steps - done, 0))
-
-    def _last_step(self, done):
-        params = self.params or {}
-        return self._epoch + 1 == params.get("epochs") and done == params.get("steps")
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.processes is not None:
-            self.processes.verify()
-        if logs is not None:  # every later callback sees ε and δ, with or without DP_Accountant
-            logs["epsilon"], logs["delta"] = self._model.privacy_spent()
-
-
-class _ProgbarLogger(keras.callbacks.ProgbarLogger):
-    """Keras' progress bar, except that an epoch cut short by the privacy budget
-    ends at the number of steps that ran (Keras would show the full epoch)."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        if getattr(self._model, "_budget_stop", False) and self.progbar is not None:
-            self.target = self.progbar.target = self.seen
-        super().on_epoch_end(epoch, logs)
 
 
 def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
@@ -190,8 +113,15 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
     if journal is not None and processes is None:  # recover the steps of a run that was killed
         model.merge_ledger(journal.read())
     _check_budgets(model, callbacks, mechanism)  # refused: nothing changed, not even the weights
+    planned = max(epochs - kwargs.get("initial_epoch", 0), 0)
+    message = budget.default_noise_warning(
+        model, mechanism, planned, planned * (steps_per_epoch or plan.steps_per_epoch),
+        budgeted=gate.epsilon_max is not None or any(
+            isinstance(cb, DP_Accountant) and cb.epsilon_max is not None for cb in callbacks))
+    if message:
+        warnings.warn(message, stacklevel=3)
     model.project_weights()
-    model._budget_stop = False
+    model._budget_stop = []  # the budgets [(epsilon_max, accountant)] that stopped this fit
     gate.journal = journal if processes is None or processes.index == 0 else None
     object.__setattr__(model, "_release_per_call", (mechanism, plan.block))  # untracked by Keras
     if processes is None:
@@ -200,10 +130,8 @@ def fit_session(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, cal
         model._reseed_noise()
         gate.run, gate.processes = processes.run, processes
     try:
-        per_step = _reads_batch_logs(callbacks, kwargs.get("verbose", "auto"))
-        callbacks = [_GateCallback(mechanism, plan.block, processes, per_step)] + callbacks
-        if not any(isinstance(cb, keras.callbacks.ProgbarLogger) for cb in callbacks):
-            callbacks.append(_ProgbarLogger())  # where Keras would put its own
+        callbacks = fit_callbacks(callbacks, mechanism, plan.block, processes,
+                                  kwargs.get("verbose", "auto"))
         with _sharded_input(processes):
             try:
                 history = keras_fit(x, y, epochs=epochs, callbacks=callbacks,
@@ -360,30 +288,12 @@ def _journal_for(callbacks):
 
 def _budget_stop_message(model):
     eps, delta = model.privacy_spent()
-    limits = ", ".join(f"epsilon_max={e:g}" for e, _ in model.privacy_gate.budgets())
-    return (f"{model.name}: training stopped by the privacy budget ({limits}) after "
+    limits = " and ".join(f"epsilon_max={e:.4g} ({privacy.accountant_name(a)})"
+                          for e, a in model._budget_stop)
+    return (f"{model.name}: training stopped by the privacy budget {limits} after "
             f"{model.privacy_ledger.training_steps(model.privacy_gate.run)} steps of this fit "
             f"({model.privacy_ledger.training_steps()} in the ledger), at ε={eps:.4g} "
             f"(δ={delta:g}); the next step would exceed it.")
-
-
-def _reads_batch_logs(callbacks, verbose):
-    """Whether anything reads the per-step logs: Keras' progress bar at
-    ``verbose=1`` (``"auto"``), or a callback with its own batch-end hook."""
-    if verbose not in (0, 2):
-        return True
-    base = keras.callbacks.Callback
-
-    def reads(cb):
-        if isinstance(cb, (keras.callbacks.ProgbarLogger, keras.callbacks.History)):
-            return False
-        declared = getattr(cb, "reads_batch_logs", None)  # e.g. DP_Accountant: writes only
-        if declared is not None:
-            return declared
-        return (type(cb).on_train_batch_end is not base.on_train_batch_end
-                or type(cb).on_batch_end is not base.on_batch_end)
-
-    return any(reads(cb) for cb in callbacks)
 
 
 def _check_tensorboard(callbacks):

@@ -1,0 +1,57 @@
+"""Run the whole test suite, in tiers, and print how long each took.
+
+    python tests/run_suite.py [--workers N] [pytest options...]
+
+Tiers (each a pytest run; the suite fails if one fails):
+
+1. ``backend-independent``: tests marked ``backend_independent`` (pure
+   accounting, the docs site, the stored notebooks' figures, packaging, the
+   import layering), once, on JAX;
+2. ``tensorflow`` and 3. ``jax``: every other test and the notebooks, on each
+   Keras backend;
+4. ``jax without tensorflow``: the tests marked ``without_tensorflow`` (import,
+   demo, data sources, training) in a simulated JAX-only installation
+   (``KDP_TEST_WITHOUT_TENSORFLOW=1``, `tests/_without_tensorflow.py`).
+
+``--workers`` (default 2, or 1 on a one-core machine) runs each tier on that
+many pytest-xdist processes. Extra arguments go to every pytest run.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+TIERS = (
+    ("backend-independent", {"KERAS_BACKEND": "jax"}, ["-m", "backend_independent"]),
+    ("tensorflow", {"KERAS_BACKEND": "tensorflow"}, ["-m", "not backend_independent"]),
+    ("jax", {"KERAS_BACKEND": "jax"}, ["-m", "not backend_independent"]),
+    ("jax without tensorflow", {"KERAS_BACKEND": "jax", "KDP_TEST_WITHOUT_TENSORFLOW": "1"},
+     ["-m", "without_tensorflow", "tests"]),
+)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    args, extra = parser.parse_known_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = []
+    for name, env, options in TIERS:
+        workers = ["-n", str(args.workers)] if args.workers > 1 else []
+        command = [sys.executable, "-m", "pytest", "-q", *workers, *options, *extra]
+        print(f"\n=== {name}: {' '.join(f'{k}={v}' for k, v in env.items())} "
+              f"{' '.join(command[1:])}", flush=True)
+        start = time.perf_counter()
+        code = subprocess.call(command, cwd=root, env={**os.environ, **env})
+        results.append((name, code, time.perf_counter() - start))
+    print("\ntier                       result   minutes")
+    for name, code, seconds in results:
+        print(f"{name:<26} {'passed' if code == 0 else 'FAILED':<8} {seconds / 60:7.1f}")
+    print(f"{'total':<26} {'':<8} {sum(s for _, _, s in results) / 60:7.1f}")
+    return 0 if all(code == 0 for _, code, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
