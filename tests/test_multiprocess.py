@@ -24,7 +24,7 @@ the real `fit` path:
   `DistributedTrainingError`, and process 0's journal holds at least every
   step any process completed (also when the dead process is process 0, which
   writes the journal);
-* README's "Training on several machines" script, launched on 2 processes.
+* the docs' "Training on several machines" script, launched on 2 processes.
 
 The handshake (`ProcessGroup.join`) and its refusals are tested in this
 process, against a stand-in for the collective: threads that gather each
@@ -716,8 +716,9 @@ def test_releases_on_several_processes_outside_fit_are_refused(monkeypatch):
 
 
 def _readme_script():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Training on several machines", 1)[1]
+    """The script of the docs' "Training on several machines" (docs/guide/multi-process.md)."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "guide" / "multi-process.md"
+    section = page.read_text().split("## Training on several machines", 1)[1]
     script = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert script.startswith("# train.py")
     return script
