@@ -1,5 +1,6 @@
-"""Loss-gradient clipping: a fixed threshold lowers the noise, an adaptive one is
-private and fully accounted (issue 8).
+"""Loss-gradient clipping: a fixed threshold lowers the noise (Béthune et al. 2024,
+§3.1), an adaptive one (the private quantile estimate of Andrew et al. 2021) is
+private and fully accounted.
 
 Runs on whichever ``KERAS_BACKEND`` is set (CI runs it on TensorFlow and JAX).
 The noise is isolated as in ``test_training.py``: zero sample weights (no data

@@ -1,4 +1,4 @@
-"""Data-parallel DP training on 4 virtual CPU devices (issue 10).
+"""Data-parallel DP training on 4 virtual CPU devices.
 
 JAX: `keras.distribution.DataParallel` over ``--xla_force_host_platform_device_count=4``.
 TensorFlow: `tf.distribute.MirroredStrategy` over 4 logical CPU devices.

@@ -1,8 +1,8 @@
 """The privacy gate, the ledger's runs and the input validator, attacked as an
-adversarial user would (one test per finding of the privacy-gate review).
+adversarial user would (one test per attack).
 
 Each test reproduces a way in which a noisy step could run without being
-recorded, be recorded wrongly, or break a bound, and checks that kdp now refuses
+recorded, be recorded wrongly, or break a bound, and checks that kdp refuses
 it before anything is spent, or records exactly what ran. The ε of reference
 is computed independently with dp-accounting.
 """
@@ -51,7 +51,7 @@ def _gaussian_eps(sigma, q, steps, delta):
     return acc.get_epsilon(delta)
 
 
-# -- finding 1: shuffled batches reuse records within a pass ---------------------------------
+# -- shuffled batches use each record once per pass ------------------------------------------------
 
 class _UseCounter(keras.metrics.Metric):
     """Counts how often each record (its label is its id) is trained on; never reset."""
@@ -86,14 +86,14 @@ def test_shuffled_batches_use_each_record_once_per_pass():
     model.fit(x, ids, epochs=epochs, verbose=0)
     counts = keras.ops.convert_to_numpy(counter.counts)
     assert counts.sum() == epochs * n  # every pass uses every record (b divides N)
-    assert counts.max() == epochs  # was 25 of 20: Keras' shuffle interleaved the passes
+    assert counts.max() == epochs  # not 25 of 20, as when Keras' shuffle interleaves the passes
     eps = model.privacy_spent()[0]
     truth = dp_accounting.rdp.RdpAccountant()
     truth.compose(dp_accounting.GaussianDpEvent(2.0 / 2), epochs)  # replace-one, one Gaussian a pass
     assert eps == pytest.approx(truth.get_epsilon(1e-3), rel=1e-6)
 
 
-# -- finding 2: merging independent trainings ------------------------------------------------
+# -- merging independent trainings composes them ---------------------------------------------------
 
 def test_merging_independent_trainings_composes_them():
     x, y = _data()
@@ -132,7 +132,7 @@ def test_ledger_runs_merge_by_identity():
         a.merge(corrupt)
 
 
-# -- finding 3: train_on_batch is accounted and budgeted ---------------------------------------
+# -- train_on_batch is accounted and budgeted ------------------------------------------------------
 
 def test_train_on_batch_is_recorded_budgeted_and_validated():
     x, y = _data()
@@ -140,7 +140,7 @@ def test_train_on_batch_is_recorded_budgeted_and_validated():
     steps = 12
     for i in range(steps):
         model.train_on_batch(x[i:i + 16], y[i:i + 16])
-    assert model.privacy_ledger.training_steps() == steps  # was 0 (ε 0)
+    assert model.privacy_ledger.training_steps() == steps  # unrecorded, it would be 0 (ε 0)
     # a batch kdp did not sample: no amplification
     assert model.privacy_spent()[0] == pytest.approx(_gaussian_eps(2.0, 1, steps, 1e-3), rel=1e-6)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
@@ -171,26 +171,26 @@ def test_noisy_objective_outside_the_gate_is_refused():
     model.compute_loss(x[:16], y[:16], model(x[:16]), training=False)  # no noise: allowed
 
 
-# -- finding 4: a callback budget with steps_per_execution ----------------------------------------
+# -- a callback budget holds with steps_per_execution ----------------------------------------------
 
 def test_accountant_budget_holds_with_steps_per_execution():
     x, y = _data(128)
     model = _model(128, 16, sigma=1.0)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=losses.DP_TauCategoricalCrossentropy(2.0),
                   steps_per_execution=4)
-    allowed = 41  # not a multiple of the block: the old check ran up to 44 steps
+    allowed = 41  # not a multiple of the block: a check per block would run up to 44 steps
     eps_max = kdp.accounting.compute_epsilon(1.0, 16 / 128, allowed, 1e-3, "rdp") * (1 + 1e-9)
     assert kdp.accounting.max_steps(eps_max, 1.0, 16 / 128, 1e-3, "rdp") == allowed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, epochs=100, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=eps_max)])
     steps = model.privacy_ledger.training_steps()
-    assert model.privacy_spent()[0] <= eps_max  # was 44 steps of 41 allowed
+    assert model.privacy_spent()[0] <= eps_max  # not 44 steps of 41 allowed
     assert allowed - 4 < steps <= allowed
     assert any("privacy budget" in str(w.message) for w in caught)  # the stop is not silent
 
 
-# -- finding 5: shuffle mode with a dataset --------------------------------------------------------
+# -- shuffle mode with a dataset: batches are validated before spending ----------------------------
 
 def _dataset(x, y, batch, weights=None):
     import tensorflow as tf
@@ -207,12 +207,12 @@ def test_shuffle_mode_dataset_batches_are_validated_before_spending(bad):
             else _dataset(x, y, 16, np.full(64, 50.0, "float32")))
     with pytest.raises(Exception, match="rows|records|weight"):
         model.fit(data, epochs=3, verbose=0)
-    assert model.privacy_ledger.training_steps() == 0  # was 12 steps charged (TF)
+    assert model.privacy_ledger.training_steps() == 0  # unvalidated, TF would charge 12 steps
     model.fit(_dataset(x, y, 16), epochs=2, verbose=0)  # a valid pipeline trains
     assert model.privacy_ledger.training_steps() == 8
 
 
-# -- finding 8: the declared input bound is checked -----------------------------------------------
+# -- the declared input bound is checked -----------------------------------------------------------
 
 def test_data_beyond_max_norm_is_refused():
     x, y = _data(scale=10.0)  # norms ≈ 28
@@ -229,8 +229,8 @@ def test_data_beyond_max_norm_is_refused():
 
 def test_a_max_norm_that_tightens_a_capping_layer_is_checked():
     """`DP_BoundedInput(2)` caps the inputs at 2; ``max_norm = 0.5`` below it makes
-    the bound pass use 0.5. Data of norm 1.5 passed the cap unchecked and its
-    per-example gradients exceeded the bounds the noise was calibrated to."""
+    the bound pass use 0.5. Unchecked, data of norm 1.5 passes the cap and its
+    per-example gradients exceed the bounds the noise is calibrated to."""
     from kdp.autodiff import per_example_gradients
 
     x, y = _data(scale=1.5 / np.sqrt(D))  # norms ≈ 1.5: inside the cap, above max_norm
@@ -250,7 +250,7 @@ def test_a_max_norm_that_tightens_a_capping_layer_is_checked():
     _model().fit(5.0 * x, y, epochs=1, verbose=0)  # without max_norm the cap bounds the inputs
 
 
-# -- finding 9: multi-hot labels ----------------------------------------------------------------------
+# -- multi-hot labels are refused by single-label losses -------------------------------------------
 
 @pytest.mark.parametrize("loss", [losses.DP_TauCategoricalCrossentropy(2.0), losses.DP_MulticlassHinge(),
                                   losses.DP_MulticlassKR(), losses.DP_MulticlassHKR(2.0)],
@@ -270,7 +270,7 @@ def test_multi_hot_labels_are_refused_for_single_label_losses(loss):
     assert model.privacy_ledger.training_steps() == 4
 
 
-# -- finding 10: assigned weights are projected before the first step -------------------------------
+# -- assigned weights are projected before the first step ------------------------------------------
 
 class _KernelNormAtFirstStep(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
@@ -290,7 +290,7 @@ def test_set_weights_cannot_break_the_bound_of_the_first_step():
     model.set_weights(weights)
     probe = _KernelNormAtFirstStep()
     model.fit(x, y, epochs=1, verbose=0, callbacks=[probe])
-    assert probe.sigma_max <= 1.0 + 1e-5  # was 3.0 (first-step gradient/bound ratio 9)
+    assert probe.sigma_max <= 1.0 + 1e-5  # unprojected: 3.0 (first-step gradient/bound ratio 9)
 
     model.layers[1].kernel.assign(weights[0])  # the same through train_on_batch
     model.make_train_function()
@@ -305,7 +305,7 @@ def test_set_weights_cannot_break_the_bound_of_the_first_step():
     assert seen and seen[0] <= 1.0 + 1e-5
 
 
-# -- finding 13: NaN weights --------------------------------------------------------------------------
+# -- NaN sample weights are refused ----------------------------------------------------------------
 
 def test_nan_sample_weight_is_refused():
     x, y = _data()
@@ -319,7 +319,7 @@ def test_nan_sample_weight_is_refused():
     assert model.privacy_ledger.training_steps() == 0
 
 
-# -- finding 14: a first step that fails costs nothing ---------------------------------------------------
+# -- a first step that fails costs nothing ---------------------------------------------------------
 
 def test_a_step_that_fails_before_running_is_not_charged():
     x, y = _data()

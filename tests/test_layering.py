@@ -45,7 +45,7 @@ LAYERS = (
     ("kdp.accounting", "kdp.ledger", "kdp.cli", "kdp.__main__", "kdp"),
 )
 
-#: known upward imports, being fixed in files other engineers are editing: the fix of each
+#: known upward imports still to be removed, each mapped to the change that removes it
 ALLOWED = {}
 
 #: what `kdp.privacy` never imports

@@ -1,4 +1,4 @@
-"""Acceptance tests of the DP layers and of the bound pass (issue 2).
+"""Acceptance tests of the DP layers and of the bound pass.
 
 Every guarantee is checked against an independent measurement that can fail:
 per-example gradients by autodiff against `compute_gradient_bounds`, layer

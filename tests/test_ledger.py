@@ -1,4 +1,4 @@
-"""The privacy budget is never lost or under-counted (issue 14).
+"""The privacy budget is never lost or under-counted.
 
 The ledger survives saving (``.keras``, weights checkpoints), resuming, second
 `fit` calls and crashes (a training process killed with SIGKILL and restarted

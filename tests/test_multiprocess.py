@@ -1,4 +1,4 @@
-"""Several processes training one model on localhost (issue 21).
+"""Several processes training one model on localhost.
 
 JAX: ``keras.distribution.initialize`` (CPU collectives over Gloo) and
 `keras.distribution.DataParallel`; TensorFlow: `MultiWorkerMirroredStrategy`

@@ -1,4 +1,5 @@
-"""`DP_Scattering2D` (issue 32): a non-expansive scattering transform.
+"""`DP_Scattering2D`: a non-expansive scattering transform (Mallat 2012; the
+features of Tramèr & Boneh 2021).
 
 The bound ``‖S x − S y‖ ≤ ‖x − y‖`` is checked against measurements that can
 fail: random pairs and an adversarial gradient ascent on the ratio (which finds

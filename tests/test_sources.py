@@ -1,4 +1,4 @@
-"""`kdp.RecordSource`: training on records read by index (issue 33).
+"""`kdp.RecordSource`: training on records read by index.
 
 Measured through the real `fit` path, on the current backend:
 

@@ -1,6 +1,6 @@
 """The step plan: the gate holds when a compiled step **runs**, not only when it is traced.
 
-One test per finding of the step-plan review, on the backend the suite runs on
+One test per way a step could escape its plan, on the backend the suite runs on
 (CI runs it on TensorFlow and on JAX). Each reproduces the attack and measures
 what ran against what the ledger recorded, or the noise a step added against
 its plan; each has a negative control showing the check would catch the
@@ -72,7 +72,7 @@ def _refused_at_run_time():
     return pytest.raises(Exception, match="PrivacyGateError")
 
 
-# -- finding 1a: a compiled step re-used outside the gate -------------------------------------------
+# -- a compiled step re-used outside the gate is refused -------------------------------------------
 
 def test_a_step_compiled_inside_the_gate_cannot_run_outside_it():
     x, y = _data()
@@ -87,7 +87,7 @@ def test_a_step_compiled_inside_the_gate_cannot_run_outside_it():
     recorded = model.privacy_ledger.training_steps()
     assert recorded == 2
     ran_outside = 0
-    for _ in range(5):  # the trace exists; before the fix each call was an unrecorded release
+    for _ in range(5):  # the trace exists; unchecked, each call is an unrecorded release
         with _refused_at_run_time():
             run(x[:B], y[:B], w)
             ran_outside += 1
@@ -99,7 +99,7 @@ def test_a_step_compiled_inside_the_gate_cannot_run_outside_it():
             run(x[:B], y[:B], w)
 
 
-# -- finding 1b: a stale trace adds the old noise after σ changed -----------------------------------
+# -- after σ changes, a stale trace cannot add the old noise ---------------------------------------
 
 def _update_std(model, x, y, steps=16):
     """The std of the weight updates of ``steps`` noise-only steps (zero weights, lr 1).
@@ -125,7 +125,7 @@ def test_changing_sigma_retraces_the_step_and_stale_traces_are_refused():
     model.dp_parameters = model.dp_parameters.replace(noise_multiplier=50.0)
     plan = model.step_plan()
     assert plan != old_plan
-    # Measured: the update std is the new plan's σ·C/b (was 0.018× of it on JAX).
+    # Measured: the update std is the new plan's σ·C/b (a stale trace on JAX: 0.018× of it).
     measured = _update_std(model, x, y)
     assert measured == pytest.approx(plan.noise_std(None, None), rel=0.05)
     assert measured / old_plan.noise_std(None, None) > 40
@@ -139,7 +139,7 @@ def test_changing_sigma_retraces_the_step_and_stale_traces_are_refused():
             pass
 
 
-# -- finding 2: an interrupt takes back steps that ran ------------------------------------------------
+# -- an interrupt never takes back steps that ran --------------------------------------------------
 
 class _Interrupt(keras.callbacks.Callback):
     """Ctrl-C after ``after_calls`` calls of the train function returned."""
@@ -162,8 +162,10 @@ def test_an_interrupt_never_takes_back_steps_that_ran(spe):
         model.fit(x, y, epochs=5, verbose=0, callbacks=[_Interrupt(3)])
     ran = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     assert ran == 3 * spe  # 3 calls of the train function ran
-    assert model.privacy_ledger.training_steps() == ran  # was 4 of 16 (spe = 4), 5 of 13
-    # The model stays usable (JAX left its variables purged).
+    # every step that ran is recorded (taking the interrupted block back recorded
+    # 4 of 16 at spe = 4, 5 of 13)
+    assert model.privacy_ledger.training_steps() == ran
+    # The model stays usable (an interrupt can leave JAX's variables purged).
     assert np.all(np.isfinite(model.predict(x[:4], verbose=0)))
     model.train_on_batch(x[:B], y[:B])
     assert model.privacy_ledger.training_steps() == ran + 1
@@ -171,8 +173,8 @@ def test_an_interrupt_never_takes_back_steps_that_ran(spe):
 
 @pytest.mark.parametrize("spe", [1, 4])
 def test_ctrl_c_during_the_compiled_call_keeps_the_steps_that_ran(monkeypatch, spe):
-    """SIGINT delivered while the compiled call runs (the finding: Python raises it
-    right after the call returns, which was taken as "before the step")."""
+    """SIGINT delivered while the compiled call runs: Python raises it right after
+    the call returns, which must not be taken as "before the step"."""
     import signal
 
     from kdp.training import stepping
@@ -191,9 +193,9 @@ def test_ctrl_c_during_the_compiled_call_keeps_the_steps_that_ran(monkeypatch, s
         return original(model, function_then_ctrl_c, plan)
 
     monkeypatch.setattr(stepping, "gated", interrupted_on_third_call)
-    # Ctrl-C as a terminal delivers it: Python's own handler, SIGINT not blocked. This
-    # test failed once in a whole CI run (DID NOT RAISE, both spe; not reproduced by a
-    # second whole run), so both are set here and reported if the interrupt is lost.
+    # Ctrl-C as a terminal delivers it: Python's own handler, SIGINT not blocked. The
+    # interrupt was once lost under CI (DID NOT RAISE, both spe; not reproducible), so
+    # both are set here and reported if the interrupt is lost.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     x, y = _data()
@@ -211,8 +213,8 @@ def test_ctrl_c_during_the_compiled_call_keeps_the_steps_that_ran(monkeypatch, s
         signal.signal(signal.SIGINT, previous)
     ran = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     assert ran == 3 * spe
-    assert model.privacy_ledger.training_steps() == ran  # was 4 of 16 (TF, spe = 4)
-    assert np.all(np.isfinite(model.predict(x[:4], verbose=0)))  # was purged on JAX
+    assert model.privacy_ledger.training_steps() == ran  # not 4 of 16 (TF, spe = 4)
+    assert np.all(np.isfinite(model.predict(x[:4], verbose=0)))  # JAX's variables are not left purged
 
 
 def test_a_failure_before_the_step_ran_is_refunded_and_after_it_is_not():
@@ -236,7 +238,7 @@ def test_a_failure_before_the_step_ran_is_refunded_and_after_it_is_not():
     assert model.privacy_ledger.training_steps() == 5  # the executed step is kept
 
 
-# -- finding 3: the same record twice in a batch --------------------------------------------------------
+# -- the same record twice in a batch is refused ---------------------------------------------------
 
 def test_a_batch_with_the_same_record_twice_is_refused():
     x, y = _data()
@@ -271,7 +273,7 @@ def test_a_repeated_record_doubles_its_gradient():
     assert norm(two) / norm(one) == pytest.approx(2.0, rel=1e-4)
 
 
-# -- refusals touch nothing --------------------------------------------------------------------------------
+# -- refusals touch nothing ------------------------------------------------------------------------
 
 def test_a_spent_accountant_budget_refuses_fit_before_projecting_weights():
     x, y = _data()
@@ -282,7 +284,8 @@ def test_a_spent_accountant_budget_refuses_fit_before_projecting_weights():
     steps = model.privacy_ledger.training_steps()
     with pytest.raises(BudgetExceededError):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[kdp.DP_Accountant(epsilon_max=1e-3)])
-    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))  # was 0.04 off
+    # untouched (projecting them before the refusal moves them by 0.04)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
     assert model.privacy_ledger.training_steps() == steps
     # Negative control: an allowed fit projects them first.
     model.fit(x, y, epochs=1, verbose=0)
@@ -299,7 +302,7 @@ def test_a_shuffled_dataset_batch_above_b_raises_kdps_own_error():
         dataset_metadata=DatasetMetadata((D,), K, N, B))
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=losses.DP_TauCategoricalCrossentropy(2.0))
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * B)
-    with pytest.raises(DataValidationError, match="rows"):  # was InvalidArgumentError
+    with pytest.raises(DataValidationError, match="rows"):  # not TensorFlow's InvalidArgumentError
         model.fit(data, epochs=1, verbose=0)
     assert model.privacy_ledger.training_steps() == 0
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B), epochs=1, verbose=0)
