@@ -126,7 +126,7 @@ def _update_movement(make):
     return math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(*updates))) * B / C
 
 
-# --- finding: a loss term from the data -----------------------------------------------------
+# --- refused: a loss term from the data -----------------------------------------------------
 
 @pytest.mark.parametrize("path", ["clipping", "clipless"])
 def test_loss_term_from_the_data_is_refused(path):
@@ -147,7 +147,7 @@ def test_weight_regularizer_still_trains_within_c():
     assert 0.5 < moved <= 1.0 + 1e-4, moved
 
 
-# --- finding: a variable written from the batch ------------------------------------------------
+# --- refused: a variable written from the batch ------------------------------------------------
 
 @pytest.mark.parametrize("path", ["clipping", "clipless"])
 def test_state_written_from_the_batch_is_refused(path):
@@ -171,7 +171,7 @@ def test_state_read_but_not_written_trains(path):
     assert model.privacy_ledger.training_steps() == 1
 
 
-# --- finding: examples that influence each other on padded or repeated rows -------------------
+# --- refused: examples that influence each other on padded or repeated rows -------------------
 
 @pytest.mark.parametrize("mix", [_MixOnZeroRow, _MixOnRepeat])
 def test_mixing_on_padded_or_repeated_rows_is_refused(mix):

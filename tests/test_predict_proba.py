@@ -26,7 +26,7 @@ def test_each_likelihood_loss_maps_outputs_with_its_own_link():
     np.testing.assert_allclose(output_probabilities(sparse, z), _softmax(z))
     bce = keras.losses.BinaryCrossentropy(from_logits=True)
     np.testing.assert_allclose(output_probabilities(bce, z), 1 / (1 + np.exp(-z)))
-    # negative control: τ matters (a softmax without τ is what the users got)
+    # negative control: τ matters (a softmax without τ would give miscalibrated probabilities)
     assert not np.allclose(output_probabilities(losses.DP_TauCategoricalCrossentropy(8.0), z),
                            _softmax(z))
     with pytest.raises(TypeError, match="probability"):
