@@ -34,7 +34,7 @@ def rng():
 BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_stored.py",
                        "test_packaging.py", "test_quiet.py"}
 #: test modules run again in a simulated JAX-only installation (`tests/run_suite.py`)
-WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py", "test_sources.py"}
+WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py"}
 
 
 def pytest_configure(config):

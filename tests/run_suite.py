@@ -9,8 +9,8 @@ Tiers (each a pytest run; the suite fails if one fails):
    import layering), once, on JAX;
 2. ``tensorflow`` and 3. ``jax``: every other test and the notebooks, on each
    Keras backend;
-4. ``jax without tensorflow``: the tests marked ``without_tensorflow`` (import,
-   demo, data sources, training) in a simulated JAX-only installation
+4. ``jax without tensorflow``: the tests marked ``without_tensorflow`` (packaging,
+   import, the CLI and its demo) in a simulated JAX-only installation
    (``KDP_TEST_WITHOUT_TENSORFLOW=1``, `tests/_without_tensorflow.py`).
 
 ``--workers`` (default 2, or 1 on a one-core machine) runs each tier on that
