@@ -498,5 +498,5 @@ def clipped_objective(model, x, y, values, sample_weight):
 
 __all__ = [
     "CLIPPING_MODES", "ClippingError", "check_model", "clipped_gradient_sum", "clipped_objective",
-    "clipping_groups", "ghost_dense_layers", "group_clipping_norms", "noise_stds", "total_clipping_norm",
+    "clipping_groups", "ghost_dense_layers", "group_clipping_norms", "total_clipping_norm",
 ]
