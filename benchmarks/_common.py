@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: a step timer, the peak memory reading and the
+"""Shared by the benchmark scripts: the time of a step as a user sees it
+(`fit_step_time`), a per-step callback timer, the peak memory reading and the
 Clipless MLP they all time."""
 
 import time
@@ -7,8 +8,52 @@ import keras
 import numpy as np
 
 
+def fit_step_time(model, x, y, batch_size, steps, warmup):
+    """Seconds per step of one `fit`: its wall time divided by its number of steps.
+
+    What a user sees: the whole loop, with drawing and padding kdp's Poisson
+    batches, the noise and the projections, and Keras dispatching batch ends
+    asynchronously where the backend allows it (JAX). No callback with a
+    batch-end hook is passed: one would make Keras wait for every step (a
+    per-step timer would also miss the host's work between two steps).
+
+    Before timing, a ``fit`` of ``warmup`` steps compiles the training step;
+    for a kdp model (one with ``dp_parameters``), one `train_on_batch` per padded
+    Poisson batch size (sample weights 0) then compiles every size, so that the
+    timed ``fit`` compiles nothing. A plain Keras model (batches of ``batch_size``,
+    reshuffled every epoch) runs out of ``x`` after one pass: it runs whole
+    epochs, at least ``steps`` steps in all; kdp's ``fit`` runs
+    ``steps`` Poisson steps in one epoch. The clock stops once the last
+    update's weights can be read.
+    """
+    if getattr(model, "dp_parameters", None) is None:
+        per_epoch = len(x) // batch_size
+        epochs = -(-steps // per_epoch)
+        model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=min(warmup, per_epoch), verbose=0)
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch_size, shuffle=True, epochs=epochs, steps_per_epoch=per_epoch,
+                  verbose=0)
+        done = epochs * per_epoch
+    else:
+        from kdp.pipeline import poisson_batch_shapes
+
+        md = model.dataset_metadata
+        model.fit(x, y, epochs=1, steps_per_epoch=warmup, verbose=0)
+        for size in poisson_batch_shapes(md.batch_size, md.nb_samples_train, model.dp_parameters.batch_shapes):
+            model.train_on_batch(x[:size], y[:size], sample_weight=np.zeros(size, "float32"))
+        start = time.perf_counter()
+        model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
+        done = steps
+    keras.ops.convert_to_numpy(model.trainable_variables[-1])  # the last update has run
+    return (time.perf_counter() - start) / done
+
+
 class StepTimer(keras.callbacks.Callback):
-    """Wall time of each training step (from batch begin to batch end)."""
+    """Wall time of each training step (from batch begin to batch end).
+
+    A callback with a batch-end hook turns off Keras' asynchronous dispatch of
+    batch ends: the host then waits for every step. `fit_step_time` times a step
+    as a user's ``fit`` runs it."""
 
     def __init__(self):
         super().__init__()

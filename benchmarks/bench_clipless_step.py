@@ -15,14 +15,21 @@ kdp is timed three ways:
   padded to the capacity ``b + 6√b + 8`` (kdp ≤ 0.1's only mode).
 
 Each configuration runs in its **own subprocess**, so that its peak memory is
-that process's peak RSS (`_common.peak_rss_mb`, which also
-sees XLA/TensorFlow's C++ allocators); the baseline RSS after the imports (kdp
-included, for both kinds) is subtracted. Time: ``fit`` over ``--warmup`` steps (compilation of every padded
-size), then the wall time of one ``fit`` of ``--steps`` steps divided by the
-number of steps: the throughput a user sees, with drawing and padding the
-Poisson batches, the noise and the projections. (A per-step callback timer
-would under-count on a GPU, where JAX dispatches steps asynchronously.)
-Ratios are kdp / Keras measured in the same run.
+that process's peak RSS (`_common.peak_rss_mb`, which also sees XLA/TensorFlow's
+C++ allocators); the baseline RSS after the imports (kdp included, for both
+kinds) is subtracted.
+
+Time (`_common.fit_step_time`): a ``fit`` of ``--warmup`` steps and one
+`train_on_batch` per padded Poisson size compile everything, then the wall time
+of one ``fit`` of ``--steps`` steps (plain Keras: whole epochs, at least
+``--steps`` steps) divided by its number of steps. That is the throughput a
+user sees, with drawing and padding the Poisson batches, the noise and the
+projections. Neither kind passes a callback with a batch-end hook: kdp's own
+callbacks are ``async_safe``, so on JAX Keras dispatches batch ends
+asynchronously for both, as in a user's ``fit``. A per-step callback timer
+would turn that off (the host would wait for every step) and would miss the
+host's work between two steps. Ratios are kdp / Keras measured in the same
+run; ``--json PATH`` also writes the numbers.
 
     KERAS_BACKEND=jax python benchmarks/bench_clipless_step.py [--batches 256 1024 4096]
 """
@@ -32,7 +39,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 KINDS = {  # name -> kdp options (None: plain Keras)
     "keras": None,
@@ -42,18 +48,11 @@ KINDS = {  # name -> kdp options (None: plain Keras)
 }
 
 
-def model_batch_shapes(model):
-    from kdp.pipeline import poisson_batch_shapes
-
-    md = model.dataset_metadata
-    return poisson_batch_shapes(md.batch_size, md.nb_samples_train, model.dp_parameters.batch_shapes)
-
-
 def child(kind, batch, steps, warmup):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
-    from _common import clipless_mlp, peak_rss_mb
+    from _common import clipless_mlp, fit_step_time, peak_rss_mb
 
     import kdp  # noqa: F401  (imported by both kinds, so that the base RSS counts it)
 
@@ -70,21 +69,9 @@ def child(kind, batch, steps, warmup):
         ])
         model.compile(optimizer=keras.optimizers.SGD(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        per_epoch = n // batch  # Keras runs out of data after one pass: several epochs
-        epochs = -(-steps // per_epoch)
-        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=min(warmup, per_epoch), verbose=0)
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, shuffle=True, epochs=epochs, steps_per_epoch=per_epoch, verbose=0)
-        done = epochs * per_epoch
     else:
         model = clipless_mlp(n, batch, **options)
-        model.fit(x, y, epochs=1, steps_per_epoch=warmup, verbose=0)
-        for size in model_batch_shapes(model):  # compile every padded size (weights 0)
-            model.train_on_batch(x[:size], y[:size], sample_weight=np.zeros(size, "float32"))
-        start = time.perf_counter()
-        model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
-        done = steps
-    elapsed = (time.perf_counter() - start) / done  # fit ends with the weights synced
+    elapsed = fit_step_time(model, x, y, batch, steps, warmup)
     print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb(), "base_mb": base}))
 
 
@@ -94,6 +81,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=12)
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS)[1:], help="kdp variants to time")
+    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs=2)
     args = parser.parse_args()
     if args.child:
@@ -102,17 +90,21 @@ def main():
     import keras
 
     devices = {"jax": lambda: __import__("jax").devices()[0].device_kind}.get(keras.backend.backend(), lambda: "")
-    print(f"backend={keras.backend.backend()} {devices()}  MLP 784-512-512-10, fit wall time / {args.steps} steps")
+    print(f"backend={keras.backend.backend()} {devices()}  MLP 784-512-512-10, wall time of one fit / its steps "
+          f"(kdp {args.steps} steps after {args.warmup} warm-up steps)")
     names = [k for k in args.kinds if k != "keras"]
     print(f"{'batch':>6} {'keras ms':>9} " + " ".join(f"{n + ' ms':>18}" for n in names)
           + "  " + " ".join(f"{'x ' + n:>16}" for n in names)
           + f" {'keras MB':>9} {names[0] + ' MB':>12} (peak RSS - base)")
+    rows = []
     for batch in args.batches:
         res = {}
         for kind in ["keras"] + names:
             out = subprocess.run([sys.executable, __file__, "--child", kind, str(batch), "--steps",
                                   str(args.steps), "--warmup", str(args.warmup)],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"{kind} at b={batch} failed:\n{out.stderr[-3000:]}")
             res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
         k = res["keras"]
         print(f"{batch:6d} {1e3 * k['time']:9.2f} "
@@ -120,6 +112,11 @@ def main():
               + " ".join(f"{res[n]['time'] / k['time']:16.2f}" for n in names)
               + f" {k['peak_mb'] - k['base_mb']:9.0f} {res[names[0]]['peak_mb'] - res[names[0]]['base_mb']:12.0f}",
               flush=True)
+        rows.append({"batch": batch, **res})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": keras.backend.backend(), "device": devices(), "steps": args.steps,
+                       "warmup": args.warmup, "unit": "seconds per step; MB", "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,24 @@ each trained three ways:
   per-example gradients for the convolutions.
 
 Each configuration runs in its own subprocess, so its peak memory is that
-process's peak RSS (`_common.peak_rss_mb`, which sees XLA/TensorFlow's allocators) minus
-the RSS after imports. Time: ``fit`` over 2 warm-up steps (compilation), then
-the median of ``--steps`` per-step wall times (a callback; includes kdp's
-Poisson sampling and noise). Poisson batches are padded to ``b + 6√b + 8`` rows,
-so (b) and (c) process ~4–8 % more rows than (a).
+process's peak RSS (`_common.peak_rss_mb`, which sees XLA/TensorFlow's
+allocators) minus the RSS after the imports (kdp included, for every kind).
 
-    KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py [--models mlp cnn] [--batches 256 1024 4096]
+Time, as `bench_clipless_step.py` measures it (`_common.fit_step_time`): a
+``fit`` of ``--warmup`` steps and one `train_on_batch` per padded Poisson size
+compile everything, then the wall time of one ``fit`` of ``--steps`` steps
+(plain Keras: whole epochs of shuffled batches, at least ``--steps`` steps)
+divided by its number of steps. That is what a user sees, kdp's Poisson
+sampling and padding and the noise included. No kind passes a callback with a
+batch-end hook, so on JAX Keras dispatches batch ends asynchronously for all
+three, as in a user's ``fit``; a per-step callback timer would make the host
+wait for every step, and would miss the host's work between two steps. kdp pads
+a Poisson batch to the smallest of its static sizes that holds it
+(`kdp.pipeline.poisson_batch_shapes`), so (b) and (c) process a few % more
+rows than (a). The ratios are measured in the same run; ``--json PATH`` also
+writes the numbers.
+
+    KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py [--models mlp cnn] [--batches 256 1024 4096] [--steps 20]
     KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py --digits   # accuracy at ε = 1, 3, 8
 """
 
@@ -79,10 +90,12 @@ def build(model_name, kind, n, batch):
     return model, shape
 
 
-def child(model_name, kind, batch, steps):
+def child(model_name, kind, batch, steps, warmup):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from _common import StepTimer, peak_rss_mb
     import numpy as np
+    from _common import fit_step_time, peak_rss_mb
+
+    import kdp  # noqa: F401  (imported by every kind, so that the base RSS counts it)
 
     base = peak_rss_mb()
     n = max(4 * batch, 8192)
@@ -90,26 +103,31 @@ def child(model_name, kind, batch, steps):
     rng = np.random.default_rng(0)
     x = rng.random((n,) + shape, dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
-    fit = dict(batch_size=batch, shuffle=True) if kind == "keras" else {}
-    model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, **fit)  # compile + warm-up
-    timer = StepTimer()
-    model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer], **fit)
-    print(json.dumps({"time": timer.median(), "peak_mb": peak_rss_mb() - base}))
+    elapsed = fit_step_time(model, x, y, batch, steps, warmup)
+    print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb() - base}))
 
 
 def speed(args):
     import keras
 
-    print(f"backend={keras.backend.backend()}  median of {args.steps} steps after 2 warm-up steps; "
-          "memory = peak RSS - RSS after imports")
+    device = {"jax": lambda: __import__("jax").devices()[0].device_kind}.get(keras.backend.backend(), str)()
+    print(f"backend={keras.backend.backend()} {device}  wall time of one fit / its steps (kdp {args.steps} "
+          f"steps after {args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
     print(f"{'model':>5} {'batch':>6} | {'keras ms':>9} {'clipless ms':>11} {'clipping ms':>11} | "
           f"{'(b)/(a)':>7} {'(c)/(a)':>7} {'(c)/(b)':>7} | {'MB a':>6} {'MB b':>6} {'MB c':>6}")
+    rows = []
     for model_name in args.models:
         for batch in args.batches:
             res = {}
             for kind in KINDS:
-                cmd = [sys.executable, __file__, "--child", model_name, kind, str(batch), "--steps", str(args.steps)]
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                cmd = [sys.executable, __file__, "--child", model_name, kind, str(batch),
+                       "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    sys.stderr.write(f"{model_name} {kind} b={batch}: over {args.timeout} s\n")
+                    res[kind] = None
+                    continue
                 if out.returncode:
                     res[kind] = None
                     sys.stderr.write(out.stderr[-2000:])
@@ -121,6 +139,12 @@ def speed(args):
                   f"{t['clipless'] / t['keras']:7.2f} {t['clipping'] / t['keras']:7.2f} "
                   f"{t['clipping'] / t['clipless']:7.2f} | {m['keras']:6.0f} {m['clipless']:6.0f} {m['clipping']:6.0f}",
                   flush=True)
+            rows.append({"model": model_name, "batch": batch, **res})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": keras.backend.backend(), "device": device, "steps": args.steps,
+                       "warmup": args.warmup, "unit": "seconds per step; MB above the RSS after imports",
+                       "rows": rows}, f, indent=1)
 
 
 def digits(args):
@@ -165,10 +189,12 @@ def digits(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", help="also write the timing results to this file")
     parser.add_argument("--child", nargs=3)
     parser.add_argument("--digits", action="store_true")
     parser.add_argument("--digits-batch", type=int, default=256)
@@ -178,7 +204,7 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]), args.steps)
+        child(args.child[0], args.child[1], int(args.child[2]), args.steps, args.warmup)
     elif args.digits:
         digits(args)
     else:
