@@ -21,8 +21,8 @@ def fit_step_time(model, x, y, batch_size, steps, warmup):
     for a kdp model (one with ``dp_parameters``), one `train_on_batch` per padded
     Poisson batch size (sample weights 0) then compiles every size, so that the
     timed ``fit`` compiles nothing. A plain Keras model (batches of ``batch_size``,
-    reshuffled every epoch) runs out of ``x`` after one pass: it runs whole
-    epochs, at least ``steps`` steps in all; kdp's ``fit`` runs
+    reshuffled every epoch) stops at the end of ``x``: it runs whole epochs,
+    at least ``steps`` steps in all; kdp's ``fit`` runs
     ``steps`` Poisson steps in one epoch. The clock stops once the last
     update's weights can be read.
     """
