@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kdp import audit, clipping
+from kdp.clipping.engine import _chunked_sum
 from kdp.admission import AdmissionError
 from kdp.autodiff import gradient
 from kdp.model import DP_Model, DP_Sequential, DPParameters
@@ -146,7 +147,7 @@ def test_padding_rows_contribute_nothing():
 def test_virtual_batches_equal_one_batch():
     model, x, y, w = _build("conv2d", clipping_norm=0.5, physical_batch_size=5)  # 16 = 5+5+5+1 (padded)
     whole = clipping.clipped_gradient_sum(model, x, y, w)
-    chunked = clipping._chunked_sum(model, keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y),
+    chunked = _chunked_sum(model, keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y),
                                     keras.ops.convert_to_tensor(w), 5)
     for p in whole:
         assert _rel_err(chunked[p], whole[p]) < 1e-5

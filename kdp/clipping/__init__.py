@@ -1,0 +1,61 @@
+"""Per-example clipping DP-SGD for any Keras 3 model (the non-Lipschitz fallback).
+
+Enabled by ``DPParameters(clipping_norm=C, clipping="flat"|"per-layer")`` on a
+`DP_Model` / `DP_Sequential` made of **ordinary** Keras layers, compiled with any
+Keras loss whose ``call`` returns per-example values (e.g.
+``keras.losses.SparseCategoricalCrossentropy(from_logits=True)``).
+
+The training objective keeps the shape of the clipless one, so Keras' own
+``train_step`` runs it on every backend::
+
+    stop_gradient(Σ_i w_i ℓ_i / b) + Σ_v ⟨v − stop_gradient(v), stop_gradient(ḡ_v) / b⟩ + noise term
+
+where ``ḡ = Σ_i clip_C(∇(w_i ℓ_i))`` is the clipped per-example gradient sum,
+computed inside the traced step, and the noise term (`DPModelMixin._noise_term`)
+adds ``ξ_v`` of std ``σ·C / b``: the optimizer receives ``(ḡ + ξ)/b``, exactly
+DP-SGD (Abadi et al. 2016). Padding rows (weight 0) contribute nothing.
+
+How ḡ is computed (no Python loop over examples): one vectorized pass
+(`jax.vmap` / `tf.vectorized_map` in `kdp.autodiff`) runs every example alone,
+as a batch of one, so example ``i``'s gradient depends on ``x_i`` and the
+weights only: padding rows, repeated rows or a layer mixing the batch axis
+cannot carry one example into another's clipped gradient (a layer that smuggles
+a tensor of the batch's forward pass into the per-example one through a Python
+attribute, rather than a Keras variable, would). Inside that pass:
+
+* **Dense layers: "book-keeping" ghost clipping.** A zero probe is added to the
+  pre-activation output ``z = a·W + b`` of every plain `Dense` call, whose input
+  ``a`` is kept; the backward pass gives the cotangents ``G = ∂(w_i ℓ_i)/∂z``.
+  Example ``i``'s kernel-gradient norm is ``‖a_i‖·‖G_i‖`` for one row and, for
+  ``T`` rows ``(T, d)`` (a sequence, or a Dense applied to folded time steps),
+  ``√⟨A_iA_iᵀ, G_iG_iᵀ⟩`` (Gram form, when ``T² < d·units``) or the norm of the
+  materialised ``A_iᵀG_i``. The clipped sum is then ``Σ_i c_i A_iᵀG_i`` with
+  ``c_i = min(1, C/‖g_i‖)``: no per-example kernel gradient.
+* **Every other trainable variable** (Conv2D, Embedding, LayerNormalization,
+  custom layers): per-example gradients.
+* Norms of both kinds are summed per example (``"flat"``) or per layer
+  (``"per-layer"``: layer ``l`` clipped at ``C_l``, ``Σ_l C_l² = C²``).
+
+Memory: ``physical_batch_size=k`` computes ḡ over chunks of ``k`` rows of the
+(padded) Poisson batch in a loop inside the step ("virtual batches"): one
+logical step, one noise draw, one optimizer update, one accounted step.
+
+Accounting: sensitivity of ḡ is ``C`` (add/remove one example; per-layer:
+``√Σ C_l² = C``), noise ``σ·C``: one Poisson-subsampled Gaussian with
+multiplier ``σ``, recorded in the same ledger as the clipless path. It holds
+for what the training step really computes because a model whose training
+forward pass writes a variable or adds a loss term is refused
+(`kdp.admission`), as are stochastic layers.
+"""
+
+from kdp.clipping.checks import check_model
+from kdp.clipping.config import (CLIPPING_MODES, ClippingError, check_clipping_parameters,  # noqa: F401
+                                 total_clipping_norm)
+from kdp.clipping.dense import ghost_dense_layers
+from kdp.clipping.engine import clipped_gradient_sum, clipped_objective
+from kdp.clipping.groups import clipping_groups, group_clipping_norms
+
+__all__ = [
+    "CLIPPING_MODES", "ClippingError", "check_model", "clipped_gradient_sum", "clipped_objective",
+    "clipping_groups", "ghost_dense_layers", "group_clipping_norms", "total_clipping_norm",
+]

@@ -1,0 +1,128 @@
+"""What per-example clipping refuses before anything is spent (`check_model`)."""
+
+import warnings
+
+import keras
+import numpy as np
+from keras import ops
+
+from kdp import admission
+from kdp.clipping.config import ClippingError
+from kdp.clipping.groups import group_clipping_norms
+
+_STOCHASTIC = ("seed_generator", "_seed_generator")
+
+
+def check_model(model):
+    """Raise `ClippingError` (or `kdp.admission.AdmissionError`) if per-example
+    clipping of ``model`` would not be DP.
+
+    * the loss must be a `keras.losses.Loss` (its ``call`` gives per-example values);
+    * stochastic layers (Dropout, GaussianNoise, ...) are refused: the
+      per-example passes would not see the forward pass's random draws;
+    * a training forward pass that writes a variable (a trainable
+      `BatchNormalization`'s moving statistics) or adds a loss term is refused
+      (`kdp.admission.check_forward_pass`); a frozen BatchNormalization runs in
+      inference mode (a warning: its statistics must be public);
+    * a model whose output for one example depends on other examples of its
+      batch is refused (`_check_examples_independent`).
+    """
+    loss = model.loss
+    if not isinstance(loss, keras.losses.Loss):
+        raise ClippingError(
+            f"clipping needs a keras.losses.Loss instance whose call() is per-example "
+            f"(e.g. keras.losses.SparseCategoricalCrossentropy(from_logits=True)), got {loss!r}"
+        )
+    if not model.trainable_variables:
+        raise ClippingError(f"{model.name} has no trainable variables")
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.BatchNormalization) and not layer.trainable:
+            warnings.warn(
+                f"{layer.name}: frozen BatchNormalization runs in inference mode with fixed "
+                "statistics; fine for DP as long as those statistics are public.",
+                stacklevel=3,
+            )
+        if any(isinstance(getattr(layer, a, None), keras.random.SeedGenerator) for a in _STOCHASTIC):
+            raise ClippingError(
+                f"{layer.name}: stochastic layers ({type(layer).__name__}) are not supported "
+                "with per-example clipping yet; remove it"
+            )
+    group_clipping_norms(model)  # validates a per-layer dict
+    admission.check_forward_pass(model)
+    _check_examples_independent(model)
+    return {}
+
+
+def _perturb_row(x, k, rng):
+    x = x.copy()
+    if x.dtype.kind in "iub":
+        x[k] = (1 - x[k].astype("int64")).astype(x.dtype)
+    else:
+        x[k] = rng.normal(size=x[k].shape).astype(x.dtype)
+    return x
+
+
+def _same(a, b):
+    """Equal up to 1e-4 (1e-2 for 16-bit values) of the largest magnitude."""
+    rtol = 1e-2 if np.asarray(a).dtype.itemsize <= 2 else 1e-4
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    if a.shape != b.shape:
+        return False
+    scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
+    return bool(np.allclose(a, b, rtol=0.0, atol=rtol * scale, equal_nan=True))
+
+
+def _check_examples_independent(model):
+    """Refuse a model whose output for one example depends on other examples.
+
+    The clipped sum does not rest on this check: `clipped_gradient_sum` runs
+    every example alone, so nothing one example does to the others' rows reaches
+    the update. But a model that mixes its batch (statistics or a mean over the
+    batch axis) would then be trained on a computation the batch did not run,
+    so it is refused. Functional probe, in training and inference mode, on
+    random rows plus a repeated row and an all-zero row (a padded Poisson
+    batch's padding): perturbing or removing row ``k`` must leave every other
+    row of every output unchanged (`_same`). A layer that mixes only on inputs
+    the probe does not hold passes it.
+
+    Raises:
+        ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
+    """
+    rng = np.random.default_rng(0)
+    xs, rows = admission.probe_batch(model, rng)
+    fixed_batch = model.inputs[0].shape[0] is not None if getattr(model, "inputs", None) else False
+    if not fixed_batch:
+        xs = [np.concatenate([x, x[:1], np.zeros_like(x[:1])]) for x in xs]
+        rows += 2
+    elif rows >= 3:
+        for x in xs:
+            x[-2], x[-1] = x[0], 0
+    trainable = [v.value for v in model.trainable_variables]
+    others = [v.value for v in model.non_trainable_variables]
+
+    def run(batch, training):
+        out, _ = model.stateless_call(trainable, others, batch if len(batch) > 1 else batch[0],
+                                      training=training)
+        return [ops.convert_to_numpy(o) for o in keras.tree.flatten(out)]
+
+    def refuse(how, training):
+        raise ClippingError(
+            f"{model.name}: the output for one example changes when another example of the batch "
+            f"is {how} (training={training}): a layer mixes the examples of a batch (e.g. statistics "
+            "or a mean over the batch axis), and the clipped per-example gradients would not be "
+            "those of the computation the batch runs. Per-example clipping needs each example's "
+            "output to depend on that example alone."
+        )
+
+    for training in (True, False):
+        ref = run(xs, training)
+        if any(len(o.shape) == 0 or o.shape[0] != rows for o in ref):
+            raise ClippingError(f"{model.name}: every output must have one row per example (batch axis first)")
+        for k in sorted({0, rows - 1}):
+            out = run([_perturb_row(x, k, rng) for x in xs], training)
+            if not all(_same(np.delete(a, k, 0), np.delete(b, k, 0)) for a, b in zip(ref, out)):
+                refuse("perturbed", training)
+            if not fixed_batch and rows > 1:
+                out = run([np.delete(x, k, 0) for x in xs], training)
+                if not all(_same(np.delete(a, k, 0), b) for a, b in zip(ref, out)):
+                    refuse("removed", training)
