@@ -60,6 +60,11 @@ def test_a_default_noise_multiplier_warns_once_with_the_epsilon_of_the_planned_e
     # replace() keeps "nobody chose σ" unless σ is among the changes
     assert model.dp_parameters.replace(delta=1e-4).noise_multiplier_is_default
     assert not model.dp_parameters.replace(noise_multiplier=1.0).noise_multiplier_is_default
+    # and so does a configuration saved and loaded (a reloaded model warns too)
+    reloaded = DPParameters.from_config(model.dp_parameters.get_config())
+    assert reloaded.noise_multiplier_is_default and reloaded.noise_multiplier == 1.0
+    chosen = DPParameters.from_config(DPParameters(noise_multiplier=1.0).get_config())
+    assert not chosen.noise_multiplier_is_default
 
 
 @pytest.mark.parametrize("how", ["explicit", "make_private", "budget", "callback_budget"])

@@ -97,16 +97,18 @@ class DPParameters:
 
     def replace(self, **changes):
         """A copy with ``changes`` applied (validated like the constructor)."""
-        sigma = None if self.noise_multiplier_is_default else self.noise_multiplier
-        return DPParameters(**{**self.get_config(), "noise_multiplier": sigma, **changes})
+        return DPParameters(**{**self.get_config(), **changes})
 
     def draw_seed(self, offset=0):
         """The fixed seed (+ offset) if reproducible, else 64 bits of OS entropy."""
         return draw_seed(self.reproducible, self.seed, offset)
 
     def get_config(self):
+        """The constructor's arguments; ``noise_multiplier`` is ``None`` when nobody
+        chose it, so a saved and reloaded model still warns before training with it."""
+        sigma = None if self.noise_multiplier_is_default else float(self.noise_multiplier)
         return {
-            "noisify_strategy": self.noisify_strategy, "noise_multiplier": float(self.noise_multiplier),
+            "noisify_strategy": self.noisify_strategy, "noise_multiplier": sigma,
             "delta": self.delta, "sampling": self.sampling, "reproducible": self.reproducible,
             "seed": self.seed, "allow_large_delta": self.allow_large_delta,
             "clipping_norm": self.clipping_norm, "clipping": self.clipping,
@@ -119,4 +121,5 @@ class DPParameters:
         return cls(**config)
 
     def __repr__(self):
-        return "DPParameters(" + ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()) + ")"
+        config = {**self.get_config(), "noise_multiplier": float(self.noise_multiplier)}
+        return "DPParameters(" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"
