@@ -12,6 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Notebooks executed by nbmake inherit this: their small, fast configuration.
 os.environ.setdefault("KDP_NOTEBOOK_SMALL", "1")
 
+import _one_backend  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -35,6 +36,10 @@ BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_
                        "test_packaging.py", "test_quiet.py"}
 #: test modules run again in a simulated JAX-only installation (`tests/run_suite.py`)
 WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py"}
+#: test modules whose module-scoped fixtures train models (some in child processes): run
+#: on one pytest-xdist worker (``--dist loadgroup``), so each fixture runs once
+ONE_WORKER = {"test_certificates.py", "test_distributed.py", "test_multiprocess.py",
+              "test_training.py"}
 
 
 def pytest_configure(config):
@@ -43,8 +48,23 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    backend, without_tensorflow = keras.backend.backend(), os.environ.get(VARIABLE) == "1"
+
+    def page(item):  # the docs page of a test_readme block, else None
+        block = getattr(item, "callspec", None) and item.callspec.params.get("block")
+        return getattr(block, "path", None) if item.path.name == "test_readme.py" else None
+
+    notebooks = {item.path.name for item in items if item.path.suffix == ".ipynb"}
+    pages = {page(item) for item in items} - {None, "README.md"}
+    kept = [item for item in items if not _one_backend.elsewhere(
+        item.path, page(item), backend, without_tensorflow, notebooks, pages)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     for item in items:
         if item.path.name in BACKEND_INDEPENDENT:
             item.add_marker(pytest.mark.backend_independent)
         if item.path.name in WITHOUT_TENSORFLOW:
             item.add_marker(pytest.mark.without_tensorflow)
+        if item.path.name in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))

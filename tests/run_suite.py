@@ -7,14 +7,17 @@ Tiers (each a pytest run; the suite fails if one fails):
 1. ``backend-independent``: tests marked ``backend_independent`` (pure
    accounting, the docs site, the stored notebooks' figures, packaging, the
    import layering), once, on JAX;
-2. ``tensorflow`` and 3. ``jax``: every other test and the notebooks, on each
-   Keras backend;
+2. ``tensorflow`` and 3. ``jax``: every other test, on each Keras backend,
+   except the docs pages' blocks and the notebooks, which alternate between the
+   two, and the CLI's tests, which run on TensorFlow here and on JAX in tier 4
+   (``KDP_TEST_SPLIT=1``, `tests/_one_backend.py`);
 4. ``jax without tensorflow``: the tests marked ``without_tensorflow`` (packaging,
    import, the CLI and its demo) in a simulated JAX-only installation
    (``KDP_TEST_WITHOUT_TENSORFLOW=1``, `tests/_without_tensorflow.py`).
 
 ``--workers`` (default 2, or 1 on a one-core machine) runs each tier on that
-many pytest-xdist processes. Extra arguments go to every pytest run.
+many pytest-xdist processes (``--dist loadgroup``: a module whose shared
+fixtures train models stays on one worker, so they train once). Extra arguments go to every pytest run.
 """
 
 import argparse
@@ -23,11 +26,12 @@ import subprocess
 import sys
 import time
 
+SPLIT = {"KDP_TEST_SPLIT": "1"}  # docs pages and notebooks on one backend each
 TIERS = (
     ("backend-independent", {"KERAS_BACKEND": "jax"}, ["-m", "backend_independent"]),
-    ("tensorflow", {"KERAS_BACKEND": "tensorflow"}, ["-m", "not backend_independent"]),
-    ("jax", {"KERAS_BACKEND": "jax"}, ["-m", "not backend_independent"]),
-    ("jax without tensorflow", {"KERAS_BACKEND": "jax", "KDP_TEST_WITHOUT_TENSORFLOW": "1"},
+    ("tensorflow", {"KERAS_BACKEND": "tensorflow", **SPLIT}, ["-m", "not backend_independent"]),
+    ("jax", {"KERAS_BACKEND": "jax", **SPLIT}, ["-m", "not backend_independent"]),
+    ("jax without tensorflow", {"KERAS_BACKEND": "jax", "KDP_TEST_WITHOUT_TENSORFLOW": "1", **SPLIT},
      ["-m", "without_tensorflow", "tests"]),
 )
 
@@ -39,7 +43,7 @@ def main(argv=None):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     results = []
     for name, env, options in TIERS:
-        workers = ["-n", str(args.workers)] if args.workers > 1 else []
+        workers = ["-n", str(args.workers), "--dist", "loadgroup"] if args.workers > 1 else []
         command = [sys.executable, "-m", "pytest", "-q", *workers, *options, *extra]
         print(f"\n=== {name}: {' '.join(f'{k}={v}' for k, v in env.items())} "
               f"{' '.join(command[1:])}", flush=True)
