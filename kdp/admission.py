@@ -41,20 +41,34 @@ class AdmissionError(ValueError):
 
 
 def probe_batch(model, rng):
-    """A small random batch shaped like the model's inputs: ``(list of arrays, rows)``."""
+    """A small random batch shaped like the model's inputs: ``(x, rows)``.
+
+    ``x`` has the structure of the model's inputs (an array, or the dict or list
+    of a multi-input model, e.g. a keras_hub backbone's ``token_ids``,
+    ``segment_ids`` and ``padding_mask``). Float inputs are standard normal;
+    integer and boolean inputs are 0 or 1, valid token ids and mask values
+    whatever the vocabulary. Unknown sizes other than the batch's are taken
+    from ``dataset_metadata.input_shape`` for a single input, else 3.
+    """
     meta = model.dataset_metadata
-    specs = list(getattr(model, "inputs", None) or [keras.KerasTensor((None,) + meta.input_shape)])
+    struct = getattr(model, "_inputs_struct", None)  # a functional model's, as given
+    if struct is None:
+        struct = getattr(model, "inputs", None) or keras.KerasTensor((None,) + tuple(meta.input_shape))
+    if isinstance(struct, (list, tuple)) and len(struct) == 1:
+        struct = struct[0]
+    specs = keras.tree.flatten(struct)
     rows = specs[0].shape[0] or _PROBE_ROWS
-    xs = []
-    for spec in specs:
+
+    def make(spec):
         fill = meta.input_shape if len(specs) == 1 and len(meta.input_shape) == len(spec.shape) - 1 else None
-        shape = [rows] + [d if d is not None else (fill[i] if fill else 3) for i, d in enumerate(spec.shape[1:])]
+        shape = [rows] + [d if d is not None else (fill[i] if fill else 3)
+                          for i, d in enumerate(spec.shape[1:])]
         dtype = keras.backend.standardize_dtype(spec.dtype)
         if "int" in dtype or dtype == "bool":
-            xs.append(rng.integers(0, 2, shape).astype(dtype))
-        else:
-            xs.append(rng.normal(size=shape).astype(dtype))
-    return xs, rows
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.normal(size=shape).astype(dtype)
+
+    return keras.tree.map_structure(make, struct), rows
 
 
 def check_forward_pass(model):
@@ -64,15 +78,15 @@ def check_forward_pass(model):
     seed_states = {id(g.state) for layer in layers for g in layer._seed_generators}
     found = {}
 
-    def forward(*xs):
+    def forward(x):
         with keras.StatelessScope(collect_losses=True) as scope:
-            model(list(xs) if len(xs) > 1 else xs[0], training=True)
+            model(x, training=True)
             found["losses"] = bool(scope.losses)
             found["adders"] = [layer for layer in layers if layer._get_own_losses()]
         found["written"] = set(scope.state_mapping) - seed_states
 
-    xs, _ = probe_batch(model, np.random.default_rng(0))
-    autodiff.evaluate_shapes(forward, *xs)
+    x, _ = probe_batch(model, np.random.default_rng(0))
+    autodiff.evaluate_shapes(forward, x)
     if found["losses"]:
         adder = (found["adders"] or [model])[0]
         raise AdmissionError(

@@ -7,6 +7,7 @@ gradient of an arbitrary function, which Keras does not expose: it lives here.
 
 import keras
 import numpy as np
+from keras import ops
 
 from kdp.layers.clip import per_example_units
 
@@ -151,30 +152,134 @@ def _per_example_gradients(model, loss, x, y):
     return {v.path: g for v, g in zip(variables, grads)}
 
 
-def weighted_per_example_gradients(model, forward, x, y, weights, variables):
-    """Each example run alone, as a batch of one, vectorized over the batch.
+def random_generators(model):
+    """The `keras.random.SeedGenerator`s the layers of ``model`` draw from (Dropout,
+    GaussianNoise, augmentation layers, keras_hub's dropouts), not a DP model's
+    own noise generator."""
+    noise = getattr(model, "_noise_seed", None)
+    found = {}
+    for layer in model._flatten_layers(include_self=True):
+        for g in layer._seed_generators:
+            if g is not noise:
+                found[id(g)] = g
+    return list(found.values())
+
+
+def _fold_in(seed, data):
+    """A new seed, a deterministic hash of ``seed`` (a seed generator's state) and
+    the integer ``data`` (a tensor under `jax.vmap` / `tf.vectorized_map`)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.random.fold_in(seed, data)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.random.experimental.stateless_fold_in(tf.cast(seed, "int64"), data)
+    raise NotImplementedError(f"per-example seeds support jax and tensorflow, not {backend!r}")
+
+
+_MISSING = object()
+
+
+class ExampleSeeds:
+    """Within it, the ``k``-th draw of a seed generator of ``model`` (in call order)
+    uses the seed ``hash(state, k, example)`` and writes no state.
+
+    Example ``i``'s pass (`start(i)`) thus draws its own random values (a Dropout
+    mask, an augmentation), independent of the other examples' (a pass on a
+    batch of one would otherwise draw one mask shared by all examples), and
+    two passes started with the same index and generator states draw the same
+    values: the per-example loss and gradient passes run one computation. With
+    ``start(None)`` every pass draws the same values (a fixed probe). The
+    generators' states advance only where Keras' own forward pass draws.
+    """
+
+    def __init__(self, model):
+        self.generators = random_generators(model)
+        self._index, self._counts, self._saved = None, {}, []
+
+    def start(self, index):
+        """Begin one pass: ``index`` (an integer tensor) or ``None`` (no example)."""
+        self._index, self._counts = index, {}
+
+    def _next(self, generator):
+        def draw(ordered=True):
+            k = self._counts[id(generator)] = self._counts.get(id(generator), -1) + 1
+            seed = _fold_in(generator.state.value, k)
+            return seed if self._index is None else _fold_in(seed, self._index)
+
+        return draw
+
+    def __enter__(self):
+        for g in self.generators:
+            self._saved.append((g, g.__dict__.get("next", _MISSING)))
+            g.next = self._next(g)
+        return self
+
+    def __exit__(self, *exc):
+        for g, old in reversed(self._saved):
+            if old is _MISSING:
+                del g.next
+            else:
+                g.next = old
+        self._saved = []
+
+
+def _views(t, views):
+    """One example ``t`` (no batch axis) as a batch of ``views`` copies."""
+    return ops.tile(ops.expand_dims(t, 0), [views] + [1] * len(t.shape))  # static shape kept
+
+
+def per_example_values(model, forward, x, y, views=1):
+    """Example ``i``'s value ``forward(call, probe, x_i, y_i)[0] / views`` (e.g. its
+    loss averaged over its ``views`` copies), each example run alone in training
+    mode with the seeds of `weighted_per_example_gradients`: the values of the
+    computation whose gradients that pass clips. Returns shape ``(batch,)``."""
+    return _vectorized(model, forward, x, y, None, [], views, 0, differentiate=False)
+
+
+def weighted_per_example_gradients(model, forward, x, y, weights, variables, views=1, first_row=0):
+    """Each example run alone, as a batch of ``views`` copies, vectorized over the batch.
 
     ``forward(call, probe, x_i, y_i) -> (value, aux)`` computes example ``i``'s
-    scalar loss, ``x_i, y_i`` its batch of one and ``call(t)`` the model's
-    training forward pass on the variables being differentiated; inside it, every
-    tensor ``z`` whose cotangent is wanted is replaced by ``probe(z)`` (``z`` plus a
-    zero tensor ``p_k``, one per call, in call order), and ``aux`` holds what the
-    caller keeps from the pass (e.g. layer inputs; under JAX it must be returned,
-    not kept on the side). Nothing couples the examples: example ``i``'s results
-    depend on ``x_i, y_i`` and the variables alone, whatever the model does across
-    its batch axis. Usable eagerly and inside a traced training step.
+    scalar loss (summed over its rows), ``x_i, y_i`` its batch and ``call(t)``
+    the model's training forward pass on the variables being differentiated;
+    inside it, every tensor ``z`` whose cotangent is wanted is replaced by
+    ``probe(z)`` (``z`` plus a zero tensor ``p_k``, one per call, in call order),
+    and ``aux`` holds what the caller keeps from the pass (e.g. layer inputs;
+    under JAX it must be returned, not kept on the side). Example ``i``'s value
+    is ``w_i / views`` times ``forward``'s: with ``views = K > 1`` its ``K``
+    copies draw ``K`` augmentations and its gradient is their mean
+    ("augmentation multiplicity", De et al. 2022), clipped once. Random layers
+    draw per-example values (`ExampleSeeds`, index ``first_row + i``).
+    Nothing couples the examples: example ``i``'s results depend on ``x_i, y_i``,
+    its seeds and the variables alone, whatever the model does across its batch
+    axis. Usable eagerly and inside a traced training step. ``x`` may be a
+    structure (dict, list) of arrays with the same number of rows.
 
     Args:
         model: a built Keras model.
         x, y: one batch; ``weights``: shape ``(batch,)``.
         variables: the trainable variables to differentiate.
+        views: copies of each example in its pass.
+        first_row: the index of the batch's first row in the step's batch
+            (its examples' seeds; a virtual batch starts past 0).
 
     Returns:
         ``(aux, cotangents, grads)``, each a list of arrays with a leading batch axis:
         ``cotangents[k][i] = ∂(w_i value_i)/∂p_k`` and
         ``grads[j][i] = ∂(w_i value_i)/∂variables[j]``.
     """
+    return _vectorized(model, forward, x, y, weights, variables, views, first_row)
+
+
+def _vectorized(model, forward, x, y, weights, variables, views, first_row, differentiate=True):
+    """`weighted_per_example_gradients`, or (``differentiate=False``) the values
+    ``forward(...)[0] / views`` alone, with ``weights`` ``None``."""
     backend = keras.backend.backend()
+    seeds = ExampleSeeds(model)
     if backend == "jax":
         import jax
         import jax.numpy as jnp
@@ -184,43 +289,66 @@ def weighted_per_example_gradients(model, forward, x, y, weights, variables):
         positions = [index[id(v)] for v in variables]
         base = [v.value for v in trainable]
         others = [v.value for v in model.non_trainable_variables]
-        x, y, weights = jnp.asarray(x), jnp.asarray(y), jnp.asarray(weights)
+        x = keras.tree.map_structure(jnp.asarray, x)
+        y = jnp.asarray(y)
+        rows = jnp.arange(y.shape[0], dtype="int32") + first_row
 
-        def run(subset, probe, xi, yi):
+        def run(subset, probe, i, xi, yi):
             values = list(base)
             for j, s in zip(positions, subset):
                 values[j] = s
+            seeds.start(i)
+            xi = keras.tree.map_structure(lambda t: _views(t, views), xi)
             return forward(lambda t: model.stateless_call(values, others, t, training=True)[0],
-                           probe, xi, yi)
-
-        shapes = []
-
-        def record(z):
-            shapes.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
-            return z
+                           probe, xi, _views(yi, views))
 
         subset = [base[j] for j in positions]
-        jax.eval_shape(lambda: run(subset, record, x[:1], y[:1]))  # abstract: shapes only
+        with seeds:
+            if not differentiate:
+                def value(i, xi, yi):
+                    return run(subset, lambda z: z, i, xi, yi)[0] / views
 
-        def example(subset, xi, yi, wi):
-            def value(subset, probes):
-                it = iter(probes)
-                v, aux = run(subset, lambda z: z + next(it), xi[None], yi[None])
-                return wi * v, aux
+                return jax.vmap(value)(rows, x, y)
+            shapes = []
 
-            zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-            (grads, cotangents), aux = jax.grad(value, argnums=(0, 1), has_aux=True)(subset, zeros)
-            return aux, cotangents, grads
+            def record(z):
+                shapes.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+                return z
 
-        aux, cotangents, grads = jax.vmap(example, in_axes=(None, 0, 0, 0))(subset, x, y, weights)
+            one = keras.tree.map_structure(lambda t: t[0], x)
+            jax.eval_shape(lambda: run(subset, record, rows[0], one, y[0]))  # abstract: shapes only
+
+            def example(subset, i, xi, yi, wi):
+                def value(subset, probes):
+                    it = iter(probes)
+                    v, aux = run(subset, lambda z: z + next(it), i, xi, yi)
+                    return wi / views * v, aux
+
+                zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+                (grads, cotangents), aux = jax.grad(value, argnums=(0, 1), has_aux=True)(subset, zeros)
+                return aux, cotangents, grads
+
+            aux, cotangents, grads = jax.vmap(example, in_axes=(None, 0, 0, 0, 0))(
+                subset, rows, x, y, jnp.asarray(weights))
         return list(aux), list(cotangents), list(grads)
     if backend == "tensorflow":
         import tensorflow as tf
 
         variables = list(variables)
+        x = keras.tree.map_structure(tf.convert_to_tensor, x)
+        y = tf.convert_to_tensor(y)
+        rows = tf.range(tf.shape(y)[0], dtype="int32") + first_row
+
+        def call(i, xi, yi, probe):
+            seeds.start(i)
+            xi = keras.tree.map_structure(lambda t: _views(t, views), xi)
+            return forward(lambda t: model(t, training=True), probe, xi, _views(yi, views))
+
+        def value(args):
+            return call(*args, lambda z: z)[0] / views
 
         def example(args):
-            xi, yi, wi = args
+            i, xi, yi, wi = args
             probes = []
             with tf.GradientTape() as tape:
 
@@ -230,14 +358,16 @@ def weighted_per_example_gradients(model, forward, x, y, weights, variables):
                     probes.append(p)
                     return z + p
 
-                v, aux = forward(lambda t: model(t, training=True), probe, xi[None], yi[None])
-                v = tf.cast(wi, v.dtype) * v
+                v, aux = call(i, xi, yi, probe)
+                v = tf.cast(wi / views, v.dtype) * v
             grads = tape.gradient(v, variables + probes, unconnected_gradients="zero")
             grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
             return list(aux), grads[len(variables):], grads[:len(variables)]
 
-        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        aux, cotangents, grads = tf.vectorized_map(example, (x, y, tf.cast(weights, "float32")))
+        with seeds:
+            if not differentiate:
+                return tf.vectorized_map(value, (rows, x, y))
+            aux, cotangents, grads = tf.vectorized_map(example, (rows, x, y, tf.cast(weights, "float32")))
         return list(aux), list(cotangents), list(grads)
     raise NotImplementedError(
         f"weighted_per_example_gradients supports jax and tensorflow, not {backend!r}"

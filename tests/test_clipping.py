@@ -265,8 +265,7 @@ def test_batchnorm_is_refused_and_frozen_batchnorm_warns():
 def test_other_errors():
     drop = _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5),
                            keras.layers.Dense(3)])
-    with pytest.raises(clipping.ClippingError, match="stochastic"):
-        drop.check_dp()
+    drop.check_dp()  # random layers draw per-example values (tests/test_real_models.py)
     model = DP_Sequential([keras.Input((6,)), keras.layers.Dense(3)],
                           dp_parameters=DPParameters(delta=1e-3, clipping_norm=1.0),
                           dataset_metadata=DatasetMetadata((6,), 3, N, BATCH))

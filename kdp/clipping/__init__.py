@@ -40,12 +40,20 @@ Memory: ``physical_batch_size=k`` computes ḡ over chunks of ``k`` rows of the
 (padded) Poisson batch in a loop inside the step ("virtual batches"): one
 logical step, one noise draw, one optimizer update, one accounted step.
 
+Random layers (Dropout, GaussianNoise, augmentation layers) draw per-example
+values in that pass (`kdp.autodiff.ExampleSeeds`), and the loss reported is
+that of the same pass. ``augmentation_multiplicity=K`` runs each example as
+``K`` copies (``K`` augmented views, De et al. 2022): its gradient is their
+mean, clipped once.
+
 Accounting: sensitivity of ḡ is ``C`` (add/remove one example; per-layer:
 ``√Σ C_l² = C``), noise ``σ·C``: one Poisson-subsampled Gaussian with
 multiplier ``σ``, recorded in the same ledger as the clipless path. It holds
 for what the training step really computes because a model whose training
 forward pass writes a variable or adds a loss term is refused
-(`kdp.admission`), as are stochastic layers.
+(`kdp.admission`); random values drawn independently of the data leave each
+example's contribution clipped to ``C`` (one example, with all its views, is
+one record).
 """
 
 from kdp.clipping.checks import check_model

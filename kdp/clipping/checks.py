@@ -6,20 +6,21 @@ import keras
 import numpy as np
 from keras import ops
 
-from kdp import admission
+from kdp import admission, autodiff
 from kdp.clipping.config import ClippingError
 from kdp.clipping.groups import group_clipping_norms
-
-_STOCHASTIC = ("seed_generator", "_seed_generator")
-
 
 def check_model(model):
     """Raise `ClippingError` (or `kdp.admission.AdmissionError`) if per-example
     clipping of ``model`` would not be DP.
 
     * the loss must be a `keras.losses.Loss` (its ``call`` gives per-example values);
-    * stochastic layers (Dropout, GaussianNoise, ...) are refused: the
-      per-example passes would not see the forward pass's random draws;
+    * random layers (Dropout, GaussianNoise, augmentation layers: any layer
+      drawing from a `keras.random.SeedGenerator`) are admitted: each
+      example's pass draws its own values (`autodiff.ExampleSeeds`), and the
+      loss reported is that of the same pass. Random values drawn
+      independently of the data do not change the sensitivity: each
+      example's contribution is still clipped to ``C``;
     * a training forward pass that writes a variable (a trainable
       `BatchNormalization`'s moving statistics) or adds a loss term is refused
       (`kdp.admission.check_forward_pass`); a frozen BatchNormalization runs in
@@ -41,11 +42,6 @@ def check_model(model):
                 f"{layer.name}: frozen BatchNormalization runs in inference mode with fixed "
                 "statistics; fine for DP as long as those statistics are public.",
                 stacklevel=3,
-            )
-        if any(isinstance(getattr(layer, a, None), keras.random.SeedGenerator) for a in _STOCHASTIC):
-            raise ClippingError(
-                f"{layer.name}: stochastic layers ({type(layer).__name__}) are not supported "
-                "with per-example clipping yet; remove it"
             )
     group_clipping_norms(model)  # validates a per-layer dict
     admission.check_forward_pass(model)
@@ -81,28 +77,34 @@ def _check_examples_independent(model):
     batch axis) would then be trained on a computation the batch did not run,
     so it is refused. Functional probe, in training and inference mode, on
     random rows plus a repeated row and an all-zero row (a padded Poisson
-    batch's padding): perturbing or removing row ``k`` must leave every other
-    row of every output unchanged (`_same`). A layer that mixes only on inputs
-    the probe does not hold passes it.
+    batch's padding), every input of a multi-input model alike: perturbing or
+    removing row ``k`` must leave every other row of every output unchanged
+    (`_same`). Random layers draw the same values in every run of the probe
+    (`autodiff.ExampleSeeds` started without an example), so that only the data
+    changes; in training mode a model with random layers is only perturbed,
+    not shortened, since a draw of another shape gives every row other values.
+    A layer that mixes only on inputs the probe does not hold passes it.
 
     Raises:
         ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
     """
     rng = np.random.default_rng(0)
-    xs, rows = admission.probe_batch(model, rng)
+    x, rows = admission.probe_batch(model, rng)
     fixed_batch = model.inputs[0].shape[0] is not None if getattr(model, "inputs", None) else False
     if not fixed_batch:
-        xs = [np.concatenate([x, x[:1], np.zeros_like(x[:1])]) for x in xs]
+        x = keras.tree.map_structure(lambda a: np.concatenate([a, a[:1], np.zeros_like(a[:1])]), x)
         rows += 2
     elif rows >= 3:
-        for x in xs:
-            x[-2], x[-1] = x[0], 0
+        for a in keras.tree.flatten(x):
+            a[-2], a[-1] = a[0], 0
     trainable = [v.value for v in model.trainable_variables]
     others = [v.value for v in model.non_trainable_variables]
+    seeds = autodiff.ExampleSeeds(model)
 
     def run(batch, training):
-        out, _ = model.stateless_call(trainable, others, batch if len(batch) > 1 else batch[0],
-                                      training=training)
+        seeds.start(None)
+        with seeds:
+            out, _ = model.stateless_call(trainable, others, batch, training=training)
         return [ops.convert_to_numpy(o) for o in keras.tree.flatten(out)]
 
     def refuse(how, training):
@@ -115,14 +117,15 @@ def _check_examples_independent(model):
         )
 
     for training in (True, False):
-        ref = run(xs, training)
+        ref = run(x, training)
         if any(len(o.shape) == 0 or o.shape[0] != rows for o in ref):
             raise ClippingError(f"{model.name}: every output must have one row per example (batch axis first)")
+        removable = not fixed_batch and rows > 1 and not (training and seeds.generators)
         for k in sorted({0, rows - 1}):
-            out = run([_perturb_row(x, k, rng) for x in xs], training)
+            out = run(keras.tree.map_structure(lambda a: _perturb_row(a, k, rng), x), training)
             if not all(_same(np.delete(a, k, 0), np.delete(b, k, 0)) for a, b in zip(ref, out)):
                 refuse("perturbed", training)
-            if not fixed_batch and rows > 1:
-                out = run([np.delete(x, k, 0) for x in xs], training)
+            if removable:
+                out = run(keras.tree.map_structure(lambda a: np.delete(a, k, 0), x), training)
                 if not all(_same(np.delete(a, k, 0), b) for a, b in zip(ref, out)):
                     refuse("removed", training)

@@ -1,5 +1,6 @@
 """The clipped gradient sum ``ḡ = Σ_i clip(∇(w_i ℓ_i))`` and the clipping-mode objective."""
 
+import keras
 from keras import ops
 
 from kdp import autodiff
@@ -7,7 +8,7 @@ from kdp.clipping.dense import _GhostDense, _as_rows, _kernel_sq_norms, ghost_de
 from kdp.clipping.groups import _owners, group_clipping_norms
 
 
-def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
+def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
     """``{variable.path: Σ_i clip(∇_v (w_i ℓ_i))}`` on one batch, vectorized.
 
     Flat clipping scales example ``i``'s whole gradient by
@@ -20,13 +21,16 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
 
     Args:
         model: a DP model in clipping mode (compiled).
-        x, y: one batch; weights: per-example weights in ``[0, 1]`` (default 1).
+        x, y: one batch (``x`` an array or a structure of arrays: a dict, a list);
+            weights: per-example weights in ``[0, 1]`` (default 1).
         ghost: use the ghost (book-keeping) norms for the Dense layers
             (`ghost_dense_layers`); ``False`` differentiates every variable.
+        first_row: the index of ``x``'s first row in the step's batch (the
+            examples' random seeds, `autodiff.ExampleSeeds`).
     """
-    x = ops.convert_to_tensor(x)
+    x = keras.tree.map_structure(ops.convert_to_tensor, x)
     y = ops.convert_to_tensor(y)
-    batch = ops.shape(x)[0]
+    batch = ops.shape(y)[0]
     weights = ops.ones((batch,), "float32") if weights is None else ops.reshape(
         ops.cast(weights, "float32"), (-1,))
     trainable = list(model.trainable_variables)
@@ -46,7 +50,8 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
     ctx = _GhostDense(dense)
     with ctx:
         inputs, cotangents, grads = autodiff.weighted_per_example_gradients(
-            model, ctx.example_loss(model.loss), x, y, weights, others)
+            model, ctx.example_loss(model.loss), x, y, weights, others,
+            views=model.dp_parameters.augmentation_multiplicity, first_row=first_row)
         called = [layer for layer, _ in ctx.records]
 
     sq = {}  # group -> (batch,) squared norms
@@ -86,12 +91,12 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True):
 
 def _chunked_sum(model, x, y, weights, chunk):
     """`clipped_gradient_sum` over chunks of ``chunk`` rows (virtual batches)."""
-    batch = x.shape[0]  # None when TensorFlow traced an unknown batch size
+    batch = y.shape[0]  # None when TensorFlow traced an unknown batch size
     if batch is not None and batch <= chunk:
         return clipped_gradient_sum(model, x, y, weights)
-    n_rows = ops.shape(x)[0]
+    n_rows = ops.shape(y)[0]
     pad = (-n_rows) % chunk
-    x = _pad_rows(x, pad)
+    x = keras.tree.map_structure(lambda t: _pad_rows(t, pad), x)
     y = _pad_rows(y, pad)
     weights = _pad_rows(weights, pad)
     steps = (n_rows + pad) // chunk
@@ -100,10 +105,10 @@ def _chunked_sum(model, x, y, weights, chunk):
 
     def body(i, acc):
         start = i * chunk
-        xs = _rows(x, start, chunk)
+        xs = keras.tree.map_structure(lambda t: _rows(t, start, chunk), x)
         ys = _rows(y, start, chunk)
         ws = _rows(weights, start, chunk)
-        part = clipped_gradient_sum(model, xs, ys, ws)
+        part = clipped_gradient_sum(model, xs, ys, ws, first_row=start)
         return [a + part[p] for a, p in zip(acc, paths)]
 
     total = ops.fori_loop(0, steps, body, init)
@@ -128,12 +133,13 @@ def clipped_objective(model, x, y, values, sample_weight):
     for the value only); the noise term is added by the model.
     """
     b = model.dataset_metadata.batch_size
-    x = ops.convert_to_tensor(x)
-    weights = (ops.ones((ops.shape(x)[0],), "float32") if sample_weight is None
+    x = keras.tree.map_structure(ops.convert_to_tensor, x)
+    y = ops.convert_to_tensor(y)
+    weights = (ops.ones((ops.shape(y)[0],), "float32") if sample_weight is None
                else ops.reshape(ops.cast(sample_weight, "float32"), (-1,)))
     chunk = model.dp_parameters.physical_batch_size
     if chunk:
-        gbar = _chunked_sum(model, x, ops.convert_to_tensor(y), weights, chunk)
+        gbar = _chunked_sum(model, x, y, weights, chunk)
     else:
         gbar = clipped_gradient_sum(model, x, y, weights)
     total = ops.stop_gradient(ops.sum(values) / b)

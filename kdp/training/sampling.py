@@ -182,12 +182,13 @@ class PoissonBatches(keras.utils.PyDataset):
         would fix the batch size of a `PyDataset` from its first two batches)."""
         import tensorflow as tf
 
-        signature = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
-                          for a in self.prime())
+        signature = keras.tree.map_structure(  # tf.data takes tuples, not lists
+            lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)),
+            keras.tree.lists_to_tuples(self.prime()))
 
         def batches():
             while True:
-                yield self[0]
+                yield keras.tree.lists_to_tuples(self[0])
 
         dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
         return dataset.prefetch(self.workers)  # batches prepared ahead, as with workers
@@ -247,19 +248,22 @@ class ShuffledBatches(keras.utils.PyDataset):
 
 
 class ArrayRecords:
-    """Validated in-memory arrays read by index (`as_records`)."""
+    """Validated in-memory arrays read by index (`as_records`); ``x`` an array or a
+    structure of arrays (a dict or list of a multi-input model), one row per record."""
 
     def __init__(self, x, y, sample_weight=None):
         self.x, self.y = x, y
-        self.weights = (np.ones(len(x), dtype="float32") if sample_weight is None
+        self.weights = (np.ones(len(y), dtype="float32") if sample_weight is None
                         else np.asarray(sample_weight, dtype="float32"))
 
     def __len__(self):
-        return len(self.x)
+        return len(self.y)
 
     def read(self, indices, rows):
-        """``(x, y, weights)`` of the records at ``indices``, zero rows up to ``rows``."""
-        return tuple(_pad(a, indices, rows) for a in (self.x, self.y, self.weights))
+        """``(x, y, weights)`` of the records at ``indices``, zero rows up to ``rows``
+        (in every array of ``x``)."""
+        x = keras.tree.map_structure(lambda a: _pad(a, indices, rows), self.x)
+        return (x,) + tuple(_pad(a, indices, rows) for a in (self.y, self.weights))
 
 
 def as_records(x, y=None, sample_weight=None):

@@ -9,7 +9,8 @@ step is recorded in the ledger, so a refused batch costs nothing. It checks
 * records: a batch kdp did not sample (`train_on_batch`, a dataset's batch)
   holds no record twice (`check_distinct_records`);
 
-* shapes: every input, label and weight has the same number of rows, at most
+* shapes: every input (each array of a multi-input model's dict or list),
+  label and weight has the same number of rows, at most
   ``max_rows`` (the expected batch size ``b`` for shuffled batches), and one
   input's examples have ``DatasetMetadata.input_shape``;
 * values: inputs (and float labels) are finite;
@@ -74,7 +75,7 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
     Raises:
         DataValidationError: see the module docstring.
     """
-    x = keras.tree.map_structure(np.asarray, x) if isinstance(x, dict) else np.asarray(x)
+    x = keras.tree.map_structure(np.asarray, x) if is_structure(x) else np.asarray(x)
     leaves = keras.tree.flatten(x)
     if not leaves:
         raise DataValidationError("no input data")
@@ -109,6 +110,14 @@ def validate_batch(model, x, y, sample_weight=None, class_weight=None, max_rows=
     if distinct:
         check_distinct_records(x, y, weights)
     return x, y, weights
+
+
+def is_structure(x):
+    """Whether ``x`` is the inputs of a multi-input model: a dict, or a list or
+    tuple of arrays (Keras' convention; a list of numbers or of lists is one array)."""
+    if isinstance(x, dict):
+        return True
+    return isinstance(x, (list, tuple)) and bool(x) and all(hasattr(a, "shape") for a in x)
 
 
 def check_distinct_records(x, y, weights):
