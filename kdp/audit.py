@@ -18,7 +18,7 @@ import numpy as np
 from scipy import stats
 
 from kdp import privacy
-from kdp.autodiff import gradient, per_example_gradients
+from kdp.autodiff import compile_function, gradient, per_example_gradients
 from kdp.bounds import compute_gradient_bounds
 
 # --- bounds ----------------------------------------------------------------------
@@ -106,18 +106,21 @@ def noise_draws(model, x, y, trials):
 
 
 def _draw(model, x, y, y_pred, zeros, metrics, trials, draws):
-    for _ in range(trials):
-        model._noise_seed.next()
-        others = [v.value for v in model.non_trainable_variables]
-
-        def objective(*values, others=others):
+    def noise(values, others):  # compiled once: each trial passes the advanced seed state
+        def objective(*values):
             loss, _ = model.stateless_compute_loss(
                 list(values), others, metrics, x=x, y=y, y_pred=y_pred,
                 sample_weight=zeros, training=True,
             )
             return loss
 
-        grads = gradient(objective, *[v.value for v in model.trainable_variables])
+        return gradient(objective, *values)
+
+    noise = compile_function(noise)
+    for _ in range(trials):
+        model._noise_seed.next()
+        grads = noise([v.value for v in model.trainable_variables],
+                      [v.value for v in model.non_trainable_variables])
         for v, g in zip(model.trainable_variables, grads):
             draws[v.path].append(np.asarray(g))
 
