@@ -357,12 +357,12 @@ def test_dense_on_folded_time_steps_is_clipped_per_example(kind):
     default = clipping.clipped_gradient_sum(model, x, y)
     for p in exact:
         assert _rel_err(default[p], exact[p]) < 1e-5
-    assert len(clipping.ghost_dense_layers(model)) == 1  # ghost norms over the T rows of an example
+    assert len(clipping.ghost_layers(model)) == 1  # ghost norms over the T rows of an example
 
 
-def test_ghost_dense_layers_are_the_plain_dense_layers():
+def test_ghost_layers_of_a_dense_model_are_its_dense_layers():
     model, _, _, _ = _build("dense")
-    ghost = clipping.ghost_dense_layers(model)
+    ghost = clipping.ghost_layers(model)
     assert [layer.name for layer in ghost] == [
         layer.name for layer in model.layers if isinstance(layer, keras.layers.Dense)]
     assert len(ghost) == 4

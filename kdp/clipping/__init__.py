@@ -23,17 +23,27 @@ cannot carry one example into another's clipped gradient (a layer that smuggles
 a tensor of the batch's forward pass into the per-example one through a Python
 attribute, rather than a Keras variable, would). Inside that pass:
 
-* **Dense layers: "book-keeping" ghost clipping.** A zero probe is added to the
-  pre-activation output ``z = a·W + b`` of every plain `Dense` call, whose input
-  ``a`` is kept; the backward pass gives the cotangents ``G = ∂(w_i ℓ_i)/∂z``.
-  Example ``i``'s kernel-gradient norm is ``‖a_i‖·‖G_i‖`` for one row and, for
-  ``T`` rows ``(T, d)`` (a sequence, or a Dense applied to folded time steps),
-  ``√⟨A_iA_iᵀ, G_iG_iᵀ⟩`` (Gram form, when ``T² < d·units``) or the norm of the
-  materialised ``A_iᵀG_i``. The clipped sum is then ``Σ_i c_i A_iᵀG_i`` with
-  ``c_i = min(1, C/‖g_i‖)``: no per-example kernel gradient.
-* **Every other trainable variable** (Conv2D, Embedding, LayerNormalization,
-  custom layers): per-example gradients.
-* Norms of both kinds are summed per example (``"flat"``) or per layer
+* **Registered layer kinds: ghost / book-keeping norms** (`kdp.clipping.kinds`,
+  a registry with one module per kind; `ghost_layers` lists a model's covered
+  layers, wherever they are called, also from inside another layer's
+  ``call``). The ``call`` of a covered layer is replaced by its kind's, which
+  keeps what the norm needs (``Dense`` / ``EinsumDense``: the input ``a``;
+  ``Embedding``: the token ids; normalisation layers: the normalised input) and
+  adds a zero probe to one output ``z``; the backward pass gives the cotangents
+  ``G = ∂(w_i ℓ_i)/∂z``. Example ``i``'s kernel-gradient norm of a linear layer
+  with rows ``A_i (T, d)``, ``G_i (T, u)`` is ``√⟨A_iA_iᵀ, G_iG_iᵀ⟩`` (Gram
+  form, when ``T² ≤ d·u``) or the norm of the materialised ``A_iᵀG_i``,
+  whichever is smaller (Bu et al. 2023); an embedding's is
+  ``√Σ_{s,t: id_s=id_t} g_s·g_t``; biases and normalisation scales are
+  materialised per example (they are small). The clipped sum is then
+  ``Σ_i c_i A_iᵀG_i`` (a scatter-add for an embedding) with
+  ``c_i = min(1, C/‖g_i‖)``. Covered: exact ``Dense``, ``EinsumDense`` (an
+  equation that is a matmul over rows), ``Embedding``, ``LayerNormalization``,
+  ``RMSNormalization``, with every weight trainable, not quantized, no LoRA.
+* **Every other trainable variable** (Conv2D, LoRA factors, keras_hub's
+  ``ReversibleEmbedding`` and ``PositionEmbedding``, custom layers):
+  per-example gradients.
+* Norms of both are summed per example (``"flat"``) or per layer
   (``"per-layer"``: layer ``l`` clipped at ``C_l``, ``Σ_l C_l² = C²``).
 
 Memory: ``physical_batch_size=k`` computes ḡ over chunks of ``k`` rows of the
@@ -59,11 +69,11 @@ one record).
 from kdp.clipping.checks import check_model
 from kdp.clipping.config import (CLIPPING_MODES, ClippingError, check_clipping_parameters,  # noqa: F401
                                  total_clipping_norm)
-from kdp.clipping.dense import ghost_dense_layers
 from kdp.clipping.engine import clipped_gradient_sum, clipped_objective
 from kdp.clipping.groups import clipping_groups, group_clipping_norms
+from kdp.clipping.kinds import ghost_layers
 
 __all__ = [
     "CLIPPING_MODES", "ClippingError", "check_model", "clipped_gradient_sum", "clipped_objective",
-    "clipping_groups", "ghost_dense_layers", "group_clipping_norms", "total_clipping_norm",
+    "clipping_groups", "ghost_layers", "group_clipping_norms", "total_clipping_norm",
 ]

@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from kdp import autodiff
-from kdp.clipping.dense import _GhostDense, _as_rows, _kernel_sq_norms, ghost_dense_layers
+from kdp.clipping.kinds import Probes, ghost_layers, kind_of
 from kdp.clipping.groups import _owners, group_clipping_norms
 
 
@@ -23,8 +23,9 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
         model: a DP model in clipping mode (compiled).
         x, y: one batch (``x`` an array or a structure of arrays: a dict, a list);
             weights: per-example weights in ``[0, 1]`` (default 1).
-        ghost: use the ghost (book-keeping) norms for the Dense layers
-            (`ghost_dense_layers`); ``False`` differentiates every variable.
+        ghost: take the norms of the layers the registry covers from their kind
+            (`kdp.clipping.kinds`, `ghost_layers`); ``False`` differentiates
+            every variable.
         first_row: the index of ``x``'s first row in the step's batch (the
             examples' random seeds, `autodiff.ExampleSeeds`).
     """
@@ -41,36 +42,35 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
     def group(v):
         return None if flat else owners[id(v)].name
 
-    dense = ghost_dense_layers(model) if ghost else []
-    dense_ids = {id(layer) for layer in dense}
-    others = [v for v in trainable if id(owners.get(id(v))) not in dense_ids]
+    layers = ghost_layers(model) if ghost else []
+    covered = {id(layer) for layer in layers}
+    others = [v for v in trainable if id(owners.get(id(v))) not in covered]
 
-    # One vectorized pass, each example alone: Dense inputs and output cotangents
-    # (ghost norms), per-example gradients of every other variable.
-    ctx = _GhostDense(dense)
-    with ctx:
-        inputs, cotangents, grads = autodiff.weighted_per_example_gradients(
-            model, ctx.example_loss(model.loss), x, y, weights, others,
+    # One vectorized pass, each example alone: what the covered layers' kinds
+    # record and their probes' cotangents, per-example gradients of every other variable.
+    probes = Probes(layers)
+    with probes:
+        aux, cotangents, grads = autodiff.weighted_per_example_gradients(
+            model, probes.example_loss(model.loss), x, y, weights, others,
             views=model.dp_parameters.augmentation_multiplicity, first_row=first_row)
-        called = [layer for layer, _ in ctx.records]
+        called = probes.called()
+
+    calls = {}  # id(layer) -> (layer, [(aux, cotangent) per call])
+    for layer, a, g in zip(called, aux, cotangents):
+        calls.setdefault(id(layer), (layer, []))[1].append((a, g))
+    states = []  # (layer, kind, what its norms and sums need)
+    for layer, pairs in calls.values():
+        kind = kind_of(layer)
+        states.append((layer, kind, kind.per_example(layer, pairs)))
 
     sq = {}  # group -> (batch,) squared norms
 
     def add(g, value):
+        value = ops.cast(value, "float32")
         sq[g] = value if g not in sq else sq[g] + value
 
-    calls = {}
-    for layer, a, g in zip(called, inputs, cotangents):
-        entry = calls.setdefault(id(layer), (layer, [], []))
-        entry[1].append(_as_rows(ops.cast(a, g.dtype)))
-        entry[2].append(_as_rows(g))
-    for key, (layer, a_list, g_list) in calls.items():
-        a = ops.concatenate(a_list, axis=1) if len(a_list) > 1 else a_list[0]
-        g = ops.concatenate(g_list, axis=1) if len(g_list) > 1 else g_list[0]
-        calls[key] = (layer, a, g)
-        add(group(layer.kernel), _kernel_sq_norms(a, g))
-        if layer.bias is not None:
-            add(group(layer.bias), ops.sum(ops.square(ops.sum(g, axis=1)), axis=1))
+    for layer, kind, state in states:
+        add(group(layer.trainable_variables[0]), kind.sq_norms(layer, state))
     for v, g in zip(others, grads):
         add(group(v), ops.sum(ops.square(ops.reshape(g, (batch, -1))), axis=1))
 
@@ -78,12 +78,9 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
     for g, s in sq.items():
         factors[g] = ops.minimum(1.0, norms[g] / ops.maximum(ops.sqrt(s), 1e-12))
 
-    out = {v.path: ops.zeros(v.shape, v.dtype) for v in trainable}  # a Dense never called: 0
-    for layer, a, g in calls.values():
-        f = factors[group(layer.kernel)]
-        out[layer.kernel.path] = ops.einsum("btd,btu->du", a * f[:, None, None], g)
-        if layer.bias is not None:
-            out[layer.bias.path] = ops.einsum("bu,b->u", ops.sum(g, axis=1), factors[group(layer.bias)])
+    out = {v.path: ops.zeros(v.shape, v.dtype) for v in trainable}  # a covered layer never called: 0
+    for layer, kind, state in states:
+        out.update(kind.weighted_sums(layer, state, factors[group(layer.trainable_variables[0])]))
     for v, g in zip(others, grads):
         out[v.path] = ops.tensordot(factors[group(v)], g, axes=1)
     return {v.path: ops.cast(out[v.path], v.dtype) for v in trainable}  # the variable's dtype

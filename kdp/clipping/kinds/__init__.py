@@ -1,0 +1,27 @@
+"""Layer kinds with per-example gradient norms but no per-example gradients.
+
+A registry in the shape of Opacus' ``grad_sample``: one module per layer kind,
+each a `Kind` subclass registered by `register`. `clipped_gradient_sum` asks
+the registry which layers of a model it covers (`ghost_layers`), runs every
+example's pass once with their ``call`` replaced by their kind's (`Probes`:
+it records what the norm needs and probes one output, whose cotangent comes
+back), and takes each covered layer's per-example squared norm and reweighted
+gradient sum from its kind. Every other trainable variable gets per-example
+gradients. Covered (exact type, every weight trainable, not quantized, no
+LoRA):
+
+* `dense` / `einsum_dense`: ``Dense``; ``EinsumDense`` whose equation is a
+  matmul over rows (`linear.parse`). Kernel: Gram form or materialised
+  per example, whichever is smaller; bias: materialised.
+* `embedding`: ``Embedding`` (Gram form over equal token ids, or materialised).
+* `normalization`: ``LayerNormalization``, ``RMSNormalization`` (materialised).
+
+A covered layer's variables must enter the forward pass through its own
+``call`` only (a weight tied to another layer's computation is not seen).
+Adding a kind: a module defining a registered `Kind`, imported below.
+"""
+
+from kdp.clipping.kinds.base import KINDS, Kind, Probes, ghost_layers, kind_of, register
+from kdp.clipping.kinds import dense, einsum_dense, embedding, normalization  # noqa: F401, E402  registers them
+
+__all__ = ["KINDS", "Kind", "Probes", "ghost_layers", "kind_of", "register"]

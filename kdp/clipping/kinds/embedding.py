@@ -1,0 +1,54 @@
+"""`keras.layers.Embedding`: example ``i``'s gradient of the table is the
+scatter-add of its output cotangents ``g_s`` at its token ids, so
+``‖∇‖² = Σ_{s,t: id_s = id_t} g_s·g_t`` (Li et al. 2022, Appendix; Bu et al.
+2023): a ``(T, T)`` Gram form per example when ``T² ≤ V·d``, else the
+materialised ``(V, d)`` gradient. The sum ``Σ_i c_i ∇_i`` is one scatter-add.
+keras_hub's ``ReversibleEmbedding`` (a subclass, whose table may also be the
+output projection) is left to per-example gradients."""
+
+import keras
+from keras import ops
+
+from kdp.clipping.kinds.base import Kind, register
+
+
+@register
+class EmbeddingKind(Kind):
+    layer_type = keras.layers.Embedding
+
+    def call(self, layer, record):
+        def call(inputs):
+            if inputs.dtype not in ("int32", "int64"):
+                inputs = ops.cast(inputs, "int32")
+            z = record(inputs, ops.take(layer.embeddings, inputs, axis=0))
+            return ops.cast(z, layer.compute_dtype)
+
+        return call
+
+    def per_example(self, layer, calls):
+        vocabulary, d = layer.embeddings.shape
+        ids, g = [], []
+        for a, cot in calls:
+            a = ops.reshape(ops.cast(a, "int32"), (ops.shape(a)[0], -1))
+            ids.append(ops.where(a < 0, a + vocabulary, a))  # ops.take's negative indices
+            g.append(ops.reshape(cot, (ops.shape(cot)[0], -1, d)))
+        if len(calls) > 1:
+            return ops.concatenate(ids, axis=1), ops.concatenate(g, axis=1)
+        return ids[0], g[0]
+
+    def sq_norms(self, layer, state):
+        ids, g = state
+        vocabulary, d = layer.embeddings.shape
+        t = ids.shape[1]
+        if t * t <= vocabulary * d:
+            same = ops.equal(ids[:, :, None], ids[:, None, :])
+            gram = ops.einsum("bsd,btd->bst", g, g)
+            return ops.sum(ops.where(same, gram, ops.zeros_like(gram)), axis=(1, 2))
+        table = ops.einsum("btv,btd->bvd", ops.one_hot(ids, vocabulary, dtype=g.dtype), g)
+        return ops.sum(ops.square(table), axis=(1, 2))
+
+    def weighted_sums(self, layer, state, c):
+        ids, g = state
+        vocabulary, d = layer.embeddings.shape
+        rows = ops.reshape(g * ops.cast(c, g.dtype)[:, None, None], (-1, d))
+        return {layer.embeddings.path: ops.segment_sum(rows, ops.reshape(ids, (-1,)), num_segments=vocabulary)}
