@@ -202,3 +202,13 @@ def test_each_contribution_is_at_most_c(case):
         norms.append(math.sqrt(sum(float(np.sum(np.asarray(g, "float64") ** 2)) for g in alone.values())))
     assert max(norms) <= c * (1 + 1e-5), norms
     assert sum(n > c * (1 - 1e-4) for n in norms) >= BATCH // 2  # clipped examples attain C
+
+
+def test_training_step_runs_the_kinds():
+    """`fit` traces the clipped sum inside the training step (static shapes on TensorFlow too)."""
+    model, x, y, _ = _build("mixed")
+    x, y = np.resize(x, (N, T)), np.resize(y, N)
+    before = [np.array(v) for v in model.trainable_variables]
+    model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
+    assert all(np.all(np.isfinite(v)) for v in model.trainable_variables)
+    assert any(not np.allclose(a, np.array(v)) for a, v in zip(before, model.trainable_variables))

@@ -6,6 +6,8 @@ materialised ``(V, d)`` gradient. The sum ``Σ_i c_i ∇_i`` is one scatter-add.
 keras_hub's ``ReversibleEmbedding`` (a subclass, whose table may also be the
 output projection) is left to per-example gradients."""
 
+import math
+
 import keras
 from keras import ops
 
@@ -18,7 +20,7 @@ class EmbeddingKind(Kind):
 
     def call(self, layer, record):
         def call(inputs):
-            if inputs.dtype not in ("int32", "int64"):
+            if keras.backend.standardize_dtype(inputs.dtype) not in ("int32", "int64"):
                 inputs = ops.cast(inputs, "int32")
             z = record(inputs, ops.take(layer.embeddings, inputs, axis=0))
             return ops.cast(z, layer.compute_dtype)
@@ -29,9 +31,9 @@ class EmbeddingKind(Kind):
         vocabulary, d = layer.embeddings.shape
         ids, g = [], []
         for a, cot in calls:
-            a = ops.reshape(ops.cast(a, "int32"), (ops.shape(a)[0], -1))
+            a = ops.reshape(ops.cast(a, "int32"), (-1, math.prod(a.shape[1:])))  # static: TensorFlow
             ids.append(ops.where(a < 0, a + vocabulary, a))  # ops.take's negative indices
-            g.append(ops.reshape(cot, (ops.shape(cot)[0], -1, d)))
+            g.append(ops.reshape(cot, (-1, a.shape[1], d)))
         if len(calls) > 1:
             return ops.concatenate(ids, axis=1), ops.concatenate(g, axis=1)
         return ids[0], g[0]
