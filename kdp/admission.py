@@ -103,7 +103,9 @@ def check_forward_pass(model):
                 break
         else:
             layer, own = model, []
-        names = ", ".join(v.path for v in own) or "a variable outside the model"
+        names = ", ".join(v.path for v in own) or (
+            "a variable outside the model (Keras' global random seed, if a layer calls keras.random "
+            "without seed=: give it a keras.random.SeedGenerator, whose draws are admitted)")
         raise AdmissionError(
             f"{layer.name} ({type(layer).__name__}): its training forward pass writes {names}. "
             "A state computed from the batch is kept and saved with the weights without noise. "

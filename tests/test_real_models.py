@@ -27,7 +27,7 @@ SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 def _compile(inputs, outputs, input_shape, **params):
     params = {"noise_multiplier": 1.0, "delta": 1e-3, "reproducible": True, "seed": 0,
-              "clipping_norm": 1.0, **params}
+              "clipping_norm": 1.0, "batch_shapes": 1, **params}  # one compiled step
     model = DP_Model(inputs, outputs, dp_parameters=DPParameters(**params),
                      dataset_metadata=DatasetMetadata(input_shape, 3, N, BATCH))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
@@ -278,6 +278,15 @@ def test_batchnorm_and_batch_mixing_are_still_refused_with_random_layers():
     with pytest.raises(clipping.ClippingError, match="mixes the examples of a batch"):
         model_with(centre).check_dp()
     model_with(keras.layers.Lambda(lambda t: 2.0 * t)).check_dp()  # per-example: accepted
+    with pytest.raises(ValueError, match="SeedGenerator"):  # Keras' global seed: refused
+        model_with(UnseededDropout()).check_dp()
+
+
+class UnseededDropout(keras.layers.Layer):
+    """Draws from Keras' global random state (no `keras.random.SeedGenerator`)."""
+
+    def call(self, x, training=None):
+        return keras.random.dropout(x, 0.5) if training else x
 
 
 def test_augmentation_multiplicity_parameter():
