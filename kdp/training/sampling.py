@@ -182,13 +182,12 @@ class PoissonBatches(keras.utils.PyDataset):
         would fix the batch size of a `PyDataset` from its first two batches)."""
         import tensorflow as tf
 
-        signature = keras.tree.map_structure(  # tf.data takes tuples, not lists
-            lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)),
-            keras.tree.lists_to_tuples(self.prime()))
+        signature = keras.tree.map_structure(
+            lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), self.prime())
 
         def batches():
             while True:
-                yield keras.tree.lists_to_tuples(self[0])
+                yield self[0]
 
         dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
         return dataset.prefetch(self.workers)  # batches prepared ahead, as with workers
@@ -252,7 +251,7 @@ class ArrayRecords:
     structure of arrays (a dict or list of a multi-input model), one row per record."""
 
     def __init__(self, x, y, sample_weight=None):
-        self.x, self.y = x, y
+        self.x, self.y = keras.tree.lists_to_tuples(x), y  # tf.data and Keras' PyDataset take tuples
         self.weights = (np.ones(len(y), dtype="float32") if sample_weight is None
                         else np.asarray(sample_weight, dtype="float32"))
 
