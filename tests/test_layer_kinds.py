@@ -15,7 +15,7 @@ import pytest
 from test_clipping import SCCE, _brute_force, _clip_by_hand, _median_norm
 
 from kdp import autodiff, clipping
-from kdp.clipping.kinds import dense, einsum_dense, embedding, normalization
+from kdp.clipping.kinds import conv, dense, einsum_dense, embedding, normalization
 from kdp.model import DP_Model, DPParameters
 from kdp.pipeline import DatasetMetadata
 
@@ -81,6 +81,16 @@ def _normalization():
     return inputs, _head(h), x
 
 
+def _conv():
+    inputs, x = _features((6, 6, 2))
+    h = layers.Conv2D(3, 3, activation="relu", name="valid")(inputs)                   # materialised
+    h = layers.Conv2D(2, (2, 3), strides=(1, 2), padding="same", name="same")(h)  # padded after only
+    seq = layers.Reshape((h.shape[1] * h.shape[2], 2))(h)
+    seq = layers.Conv1D(2, 2, dilation_rate=2, padding="same", use_bias=False, name="dilated")(seq)
+    causal = layers.Conv1D(2, 2, padding="causal", name="causal")(seq)  # not covered: per-example
+    return inputs, _head(causal), x
+
+
 def _mixed():
     """Embedding → LayerNorm → one attention head of EinsumDense → Dense head."""
     inputs, x = _tokens()
@@ -107,6 +117,7 @@ def _bert():
 # case -> (builder, names of the layers the registry covers)
 CASES = {
     "dense": (_dense, ["head", "rows", "shared"]),
+    "conv": (_conv, ["dilated", "head", "same", "valid"]),
     "einsum_dense": (_einsum_dense, ["ellipsis", "head", "o", "q", "row_bias"]),
     "not_a_matmul": (_not_a_matmul, ["head"]),
     "embedding": (_embedding, ["gram", "head", "shared", "table"]),
@@ -177,18 +188,19 @@ def test_clipped_sum_matches_brute_force(case, monkeypatch):
     assert _check(case, "flat", monkeypatch) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["mixed", "normalization"])
+@pytest.mark.parametrize("case", ["conv", "mixed", "normalization"])
 def test_per_layer_clipping_matches_brute_force(case, monkeypatch):
     assert _check(case, "per-layer", monkeypatch, scale=1e-2) < 1e-5  # every layer of every example clipped
 
 
-@pytest.mark.parametrize("kind", [dense.DenseKind, einsum_dense.EinsumDenseKind, embedding.EmbeddingKind,
-                                  normalization.LayerNormalizationKind])
-def test_an_under_reported_norm_is_caught(kind, monkeypatch):
+@pytest.mark.parametrize("kind, case", [(dense.DenseKind, "mixed"), (einsum_dense.EinsumDenseKind, "mixed"),
+                                        (embedding.EmbeddingKind, "mixed"),
+                                        (normalization.LayerNormalizationKind, "mixed"), (conv.ConvKind, "conv")])
+def test_an_under_reported_norm_is_caught(kind, case, monkeypatch):
     """Negative control: a kind reporting half its norms fails the comparison."""
     sq_norms = kind.sq_norms
     monkeypatch.setattr(kind, "sq_norms", lambda self, layer, state: 0.25 * sq_norms(self, layer, state))
-    assert _check("mixed", "per-layer", monkeypatch, scale=1e-2) > 0.1
+    assert _check(case, "per-layer", monkeypatch, scale=1e-2) > 0.1
 
 
 @pytest.mark.parametrize("case", ["mixed", "bert"])

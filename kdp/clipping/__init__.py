@@ -38,9 +38,11 @@ attribute, rather than a Keras variable, would). Inside that pass:
   materialised per example (they are small). The clipped sum is then
   ``Σ_i c_i A_iᵀG_i`` (a scatter-add for an embedding) with
   ``c_i = min(1, C/‖g_i‖)``. Covered: exact ``Dense``, ``EinsumDense`` (an
-  equation that is a matmul over rows), ``Embedding``, ``LayerNormalization``,
-  ``RMSNormalization``, with every weight trainable, not quantized, no LoRA.
-* **Every other trainable variable** (Conv2D, LoRA factors, keras_hub's
+  equation that is a matmul over rows), ``Conv1D`` / ``Conv2D`` (as a matmul
+  of the input's patches; channels last, ``groups=1``, ``"valid"`` or
+  ``"same"``), ``Embedding``, ``LayerNormalization``, ``RMSNormalization``,
+  with every weight trainable, not quantized, no LoRA.
+* **Every other trainable variable** (LoRA factors, keras_hub's
   ``ReversibleEmbedding`` and ``PositionEmbedding``, custom layers):
   per-example gradients.
 * Norms of both are summed per example (``"flat"``) or per layer

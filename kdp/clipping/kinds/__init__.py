@@ -15,6 +15,8 @@ LoRA):
   per example, whichever is smaller; bias: materialised.
 * `embedding`: ``Embedding`` (Gram form over equal token ids, or materialised).
 * `normalization`: ``LayerNormalization``, ``RMSNormalization`` (materialised).
+* `conv`: ``Conv1D``, ``Conv2D`` (channels last, ``groups=1``, ``"valid"`` or
+  ``"same"`` padding), as a matmul of the input's patches with the kernel.
 
 A covered layer's variables must enter the forward pass through its own
 ``call`` only (a weight tied to another layer's computation is not seen).
@@ -22,6 +24,6 @@ Adding a kind: a module defining a registered `Kind`, imported below.
 """
 
 from kdp.clipping.kinds.base import KINDS, Kind, Probes, ghost_layers, kind_of, register
-from kdp.clipping.kinds import dense, einsum_dense, embedding, normalization  # noqa: F401, E402  registers them
+from kdp.clipping.kinds import conv, dense, einsum_dense, embedding, normalization  # noqa: F401, E402  registers them
 
 __all__ = ["KINDS", "Kind", "Probes", "ghost_layers", "kind_of", "register"]
