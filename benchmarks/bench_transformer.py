@@ -1,0 +1,123 @@
+"""Time and peak memory of one training step of a small BERT encoder: plain Keras
+against kdp per-example clipping.
+
+The model: keras_hub's ``BertBackbone`` (random weights, nothing downloaded,
+dropout 0; ``--layers`` encoder layers of width ``--width``, 2 heads,
+feed-forward 4·width, sequences of ``--length`` tokens, vocabulary 1000)
+on token ids alone (no segments, no padding), its pooled output into a
+``Dense(2)`` head, SGD and sparse cross-entropy, trained three ways:
+
+* ``keras``: the model as a plain ``keras.Model``;
+* ``clipping``: kdp per-example clipping DP-SGD (``DPParameters(clipping_norm=1)``)
+  on the same model, Poisson batches: the layers of the registered kinds
+  (`kdp.clipping.kinds`: the encoder's ``EinsumDense`` projections, ``Dense``
+  feed-forward and pooler, ``LayerNormalization``, the segment ``Embedding``)
+  get ghost norms, the token and position embeddings per-example gradients;
+* ``vmap``: as ``clipping`` with the registry emptied: every variable gets
+  per-example gradients (the engine's fallback), for comparison.
+
+Each runs in its own subprocess; time and memory are measured as in
+`bench_clipping_step.py` (`_common.fit_step_time`: the wall time of one ``fit``
+of ``--steps`` steps after a warm-up, divided by its steps; memory: peak RSS
+minus the RSS after the imports).
+
+    KERAS_BACKEND=jax python benchmarks/bench_transformer.py [--batch 32] [--length 64] [--width 128] [--steps 10]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+KINDS = ("keras", "clipping", "vmap")
+VOCABULARY = 1000
+
+
+def build(kind, n, args):
+    import keras
+    import keras_hub
+
+    import kdp
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCABULARY, num_layers=args.layers, num_heads=2, hidden_dim=args.width,
+        intermediate_dim=4 * args.width, max_sequence_length=args.length, dropout=0)
+    ids = keras.Input((args.length,), dtype="int32")
+    out = backbone({"token_ids": ids, "segment_ids": keras.ops.zeros_like(ids),
+                    "padding_mask": keras.ops.ones_like(ids)})
+    logits = keras.layers.Dense(2)(out["pooled_output"])
+    if kind == "keras":
+        model = keras.Model(ids, logits)
+    else:
+        if kind == "vmap":
+            from kdp.clipping.kinds import KINDS as REGISTRY
+
+            REGISTRY.clear()
+        model = kdp.DP_Model(ids, logits, dp_parameters=kdp.DPParameters(noise_multiplier=1.0, delta=1e-5,
+                                                                          clipping_norm=1.0),
+                             dataset_metadata=kdp.DatasetMetadata((args.length,), 2, n, args.batch))
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def child(kind, args):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras_hub  # noqa: F401  (imported by every kind, so that the base RSS counts it)
+    import numpy as np
+    from _common import fit_step_time, peak_rss_mb
+
+    import kdp  # noqa: F401
+
+    base = peak_rss_mb()
+    n = 8 * args.batch
+    model = build(kind, n, args)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCABULARY, (n, args.length)).astype("int32")
+    y = rng.integers(0, 2, n).astype("int32")
+    elapsed = fit_step_time(model, x, y, args.batch, args.steps, args.warmup)
+    print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb() - base}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args)
+    import keras
+
+    print(f"backend={keras.backend.backend()} BERT encoder: {args.layers} layers, width {args.width}, "
+          f"T={args.length}, b={args.batch}; wall time of one fit / its steps ({args.steps} steps after "
+          f"{args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
+    res = {}
+    for kind in args.kinds:
+        cmd = [sys.executable, __file__, "--child", kind] + [
+            f"--{k}={getattr(args, k)}" for k in ("batch", "length", "width", "layers", "steps", "warmup")]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            sys.stderr.write(f"{kind}: over {args.timeout} s\n")
+            continue
+        if out.returncode:
+            sys.stderr.write(out.stderr[-2000:])
+            continue
+        res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    base = res.get("keras", {}).get("time")
+    print(f"{'kind':>9} | {'ms/step':>8} {'/ keras':>7} | {'MB':>6}")
+    for kind, r in res.items():
+        ratio = r["time"] / base if base else float("nan")
+        print(f"{kind:>9} | {r['time'] * 1e3:8.1f} {ratio:7.2f} | {r['peak_mb']:6.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
