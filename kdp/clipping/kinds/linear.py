@@ -17,17 +17,20 @@ from keras import ops
 from kdp.clipping.kinds.base import Kind, add_up, reduce_to, sum_squares
 
 
-def kernel_sq_norms(a, g):
-    """Per-example ``‖a_iᵀ g_i‖_F²`` for ``a (B, T, d)``, ``g (B, T, u)``: the Gram
-    form when ``T² ≤ d·u``, else the materialised ``a_iᵀ g_i``."""
+def per_example_kernels(a, g):
+    """Per-example kernel gradients ``a_iᵀ g_i`` for ``a (B, T, d)``, ``g (B, T, u)``
+    when they are smaller than the Gram matrices (``T² > d·u``), else ``None``."""
     t, d, u = a.shape[1], a.shape[2], g.shape[2]
-    if t == 1:
+    return ops.einsum("btd,btu->bdu", a, g) if t > 1 and t * t > d * u else None
+
+
+def gram_sq_norms(a, g):
+    """Per-example ``‖a_iᵀ g_i‖_F² = Σ_{s,t} (a_s·a_t)(g_s·g_t)``, without ``a_iᵀ g_i``."""
+    if a.shape[1] == 1:
         return ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(g[:, 0]), axis=1)
-    if t * t <= d * u:  # Gram form: Σ_{s,t} (a_s·a_t)(g_s·g_t)
-        ga = ops.einsum("bsd,btd->bst", a, a)
-        gg = ops.einsum("bsu,btu->bst", g, g)
-        return ops.sum(ga * gg, axis=(1, 2))
-    return ops.sum(ops.square(ops.einsum("btd,btu->bdu", a, g)), axis=(1, 2))
+    ga = ops.einsum("bsd,btd->bst", a, a)
+    gg = ops.einsum("bsu,btu->bst", g, g)
+    return ops.sum(ga * gg, axis=(1, 2))
 
 
 def parse(equation):
@@ -97,17 +100,20 @@ class Linear(Kind):
         a = ops.concatenate([r[0] for r in rows], axis=1) if len(rows) > 1 else rows[0][0]
         g = ops.concatenate([r[1] for r in rows], axis=1) if len(rows) > 1 else rows[0][1]
         bias = None if layer.bias is None else add_up(calls, lambda _, g: reduce_to(g, layer.bias.shape))
-        return a, g, rows[0][2], bias
+        return a, g, per_example_kernels(a, g), rows[0][2], bias
 
     def sq_norms(self, layer, state):
-        a, g, _, bias = state
-        sq = kernel_sq_norms(a, g)
+        a, g, kernels, _, bias = state
+        sq = gram_sq_norms(a, g) if kernels is None else sum_squares(kernels)
         return sq if bias is None else sq + sum_squares(bias)
 
     def weighted_sums(self, layer, state, c):
-        a, g, (spec, letters), bias = state
+        a, g, kernels, (spec, letters), bias = state
         c = ops.cast(c, g.dtype)
-        kernel = ops.einsum("btd,btu->du", a * c[:, None, None], g)
+        if kernels is None:
+            kernel = ops.einsum("btd,btu->du", a * c[:, None, None], g)
+        else:
+            kernel = ops.tensordot(c, kernels, axes=1)
         shape = [layer.kernel.shape[spec.index(ch)] for ch in letters]
         kernel = ops.transpose(ops.reshape(kernel, shape), [letters.index(ch) for ch in spec])
         out = {layer.kernel.path: kernel}
