@@ -297,3 +297,52 @@ def test_augmentation_multiplicity_parameter():
             DPParameters(delta=1e-3, clipping_norm=1.0, augmentation_multiplicity=bad)
     with pytest.raises(ValueError, match="needs per-example clipping"):
         DPParameters(delta=1e-3, augmentation_multiplicity=2)
+
+
+class _RandomLayerThat(keras.layers.Layer):
+    """A random layer (its own `keras.random.SeedGenerator`) that also adds a loss
+    term, writes a variable, or mixes its batch: adversarial cases for admission."""
+
+    def __init__(self, does, **kwargs):
+        super().__init__(**kwargs)
+        self.does = does
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def build(self, input_shape):
+        self.total = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            x = keras.random.dropout(x, 0.3, seed=self.seed_generator)
+            if self.does == "add_loss":
+                self.add_loss(keras.ops.mean(x ** 2))
+            if self.does == "state":
+                self.total.assign(self.total + keras.ops.mean(x))
+        if self.does == "mix":
+            x = x - keras.ops.mean(x, axis=0, keepdims=True)
+        return x
+
+
+@pytest.mark.parametrize("does,error,message", [
+    ("add_loss", AdmissionError, "adds a loss term"),
+    ("state", AdmissionError, "writes"),
+    ("mix", clipping.ClippingError, "mixes the examples of a batch"),
+])
+def test_random_layers_that_add_a_loss_keep_state_or_mix_are_refused_before_any_step(does, error, message):
+    """With augmentation multiplicity too: K views of an example are one record,
+    but a loss term, a state or a mixing over the batch still escapes the bound."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(N, 6)).astype("float32"), rng.integers(0, 3, N)
+
+    def model_with(layer):
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(3)(layer(keras.layers.Dense(8)(inputs)))
+        return _compile(inputs, outputs, (6,), augmentation_multiplicity=3)
+
+    model = model_with(_RandomLayerThat(does))
+    with pytest.raises(error, match=message):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert model.privacy_ledger.training_steps() == 0
+    control = model_with(_RandomLayerThat("nothing"))
+    control.fit(x, y, epochs=1, verbose=0)  # the same random layer alone trains
+    assert control.privacy_ledger.training_steps() > 0

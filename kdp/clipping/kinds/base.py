@@ -152,7 +152,7 @@ class Probes:
         return record
 
     def called(self):
-        """The covered layers in call order of the last pass, one entry per call."""
+        """The covered layers in the order the latest example run called them, one entry per call."""
         return [layer for layer, _ in self.records]
 
     def example_loss(self, loss):
