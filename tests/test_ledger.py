@@ -100,7 +100,9 @@ def test_sigkill_at_a_random_step_then_restart_counts_every_step(tmp_path):
     print(f"\n{info}: uninterrupted {total} steps, ε={clean['epsilon']:.4f}; "
           f"killed and restarted {result['steps']} steps, ε={result['epsilon']:.4f}")
     assert result["steps"] == expected_steps, info  # every step, the interrupted epoch's too
-    assert result["epsilon"] >= clean["epsilon"], info
+    # Equal when the kill falls on an epoch's first step (nothing repeated); the ledger
+    # then composes the same steps in other groups, so compare up to rounding.
+    assert result["epsilon"] >= clean["epsilon"] * (1 - 1e-12), info
     assert result["epsilon"] == pytest.approx(_eps(expected_steps, script.SIGMA), rel=1e-9)
     assert not (tmp_path / "crash" / "backup").exists()  # backup and journal removed at the end
     loaded = keras.models.load_model(tmp_path / "crash" / "final.keras")
