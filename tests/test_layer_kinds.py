@@ -15,7 +15,8 @@ import pytest
 from test_clipping import SCCE, _brute_force, _clip_by_hand, _median_norm
 
 from kdp import autodiff, clipping
-from kdp.clipping.kinds import conv, dense, einsum_dense, embedding, normalization
+from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, normalization, position_embedding,
+                                reversible_embedding)
 from kdp.model import DP_Model, DPParameters
 from kdp.pipeline import DatasetMetadata
 
@@ -71,6 +72,32 @@ def _embedding():
     return inputs, _head(layers.GlobalAveragePooling1D()(h)), x
 
 
+def _reversible_embedding():
+    """Tied tables read by lookups and by the reverse projection (Gram form and
+    materialised), an untied one, keras_hub's subclass."""
+    keras_hub = pytest.importorskip("keras_hub")
+    inputs, x = _tokens()
+    unit = keras.initializers.RandomNormal(stddev=0.5)  # lookup and projection gradients of one size
+    tied = layers.ReversibleEmbedding(VOCAB, 12, embeddings_initializer=unit, logit_soft_cap=3.0,
+                                      name="tied")  # (T + T)² <= 12·12: Gram
+    small = keras_hub.layers.ReversibleEmbedding(3, 2, name="small")                 # (T + T)² > 3·2: materialised
+    untied = layers.ReversibleEmbedding(VOCAB, 12, tie_weights=False, name="untied")  # lookups and kernel: Gram
+    logits = [tied(tied(inputs), reverse=True), small(small(keras.ops.mod(inputs, 3)), reverse=True),
+              untied(untied(keras.ops.flip(inputs, axis=1)), reverse=True)]
+    return inputs, _head(layers.GlobalAveragePooling1D()(layers.Concatenate()(logits))), x
+
+
+def _position_embedding():
+    """One table called once, one called twice on overlapping rows (cross terms)."""
+    keras_hub = pytest.importorskip("keras_hub")
+    inputs, x = _features((T, 4))
+    once = keras_hub.layers.PositionEmbedding(T, name="once")
+    twice = keras_hub.layers.PositionEmbedding(T + 2, name="twice")
+    h = inputs * once(inputs) + twice(inputs)  # rows 0..5
+    shifted = twice(h[:, 2:], start_index=3)   # rows 3..6
+    return inputs, _head(layers.Concatenate(axis=1)([h * h, shifted])), x
+
+
 def _normalization():
     inputs, x = _features((T, 4))
     h = layers.Dense(4, name="mix")(inputs)
@@ -121,11 +148,14 @@ CASES = {
     "einsum_dense": (_einsum_dense, ["ellipsis", "head", "o", "q", "row_bias"]),
     "not_a_matmul": (_not_a_matmul, ["head"]),
     "embedding": (_embedding, ["gram", "head", "shared", "table"]),
+    "reversible_embedding": (_reversible_embedding, ["head", "small", "tied", "untied"]),
+    "position_embedding": (_position_embedding, ["head", "once", "twice"]),
     "normalization": (_normalization, ["head", "last", "mix", "rms", "scale_only", "two_axes"]),
     "mixed": (_mixed, ["attention_output", "embed", "head", "key", "norm", "query", "value"]),
     "bert": (_bert, ["attention_output", "embeddings_layer_norm", "feedforward_intermediate_dense",
                      "feedforward_layer_norm", "feedforward_output_dense", "head", "key",
-                     "pooled_dense", "query", "segment_embedding", "self_attention_layer_norm", "value"]),
+                     "pooled_dense", "position_embedding", "query", "segment_embedding",
+                     "self_attention_layer_norm", "token_embedding", "value"]),
 }
 
 
@@ -195,7 +225,9 @@ def test_per_layer_clipping_matches_brute_force(case, monkeypatch):
 
 @pytest.mark.parametrize("kind, case", [(dense.DenseKind, "mixed"), (einsum_dense.EinsumDenseKind, "mixed"),
                                         (embedding.EmbeddingKind, "mixed"),
-                                        (normalization.LayerNormalizationKind, "mixed"), (conv.ConvKind, "conv")])
+                                        (normalization.LayerNormalizationKind, "mixed"), (conv.ConvKind, "conv"),
+                                        (reversible_embedding.ReversibleEmbeddingKind, "reversible_embedding"),
+                                        (position_embedding.PositionEmbeddingKind, "position_embedding")])
 def test_an_under_reported_norm_is_caught(kind, case, monkeypatch):
     """Negative control: a kind reporting half its norms fails the comparison."""
     sq_norms = kind.sq_norms

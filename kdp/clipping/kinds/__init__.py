@@ -17,6 +17,10 @@ LoRA):
 * `normalization`: ``LayerNormalization``, ``RMSNormalization`` (materialised).
 * `conv`: ``Conv1D``, ``Conv2D`` (channels last, ``groups=1``, ``"valid"`` or
   ``"same"`` padding), as a matmul of the input's patches with the kernel.
+* `reversible_embedding`: ``ReversibleEmbedding`` (keras', keras_hub's;
+  ``mask_zero=False``): lookups and the ``reverse=True`` projection, tied or not.
+* `position_embedding`: keras_hub's ``PositionEmbedding`` (materialised rows).
+  keras_hub is never imported: its classes are looked up once it is.
 
 A covered layer's variables must enter the forward pass through its own
 ``call`` only (a weight tied to another layer's computation is not seen).
@@ -24,6 +28,7 @@ Adding a kind: a module defining a registered `Kind`, imported below.
 """
 
 from kdp.clipping.kinds.base import KINDS, Kind, Probes, ghost_layers, kind_of, register
-from kdp.clipping.kinds import conv, dense, einsum_dense, embedding, normalization  # noqa: F401, E402  registers them
+from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, normalization,  # noqa: F401, E402
+                                position_embedding, reversible_embedding)  # registers them
 
 __all__ = ["KINDS", "Kind", "Probes", "ghost_layers", "kind_of", "register"]
