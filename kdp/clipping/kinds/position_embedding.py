@@ -34,7 +34,7 @@ class PositionEmbeddingKind(Kind):
             shape = ops.shape(inputs)
             length, width = shape[-2], shape[-1]
             rows = ops.slice(ops.convert_to_tensor(layer.position_embeddings), (start_index, 0), (length, width))
-            read = ops.arange(inputs.shape[-2], dtype="int32") + ops.cast(start_index, "int32")
+            read = ops.arange(length, dtype="int32") + ops.cast(start_index, "int32")
             return record(read, ops.broadcast_to(rows, shape))
 
         return call
