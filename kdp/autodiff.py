@@ -240,7 +240,8 @@ def per_example_values(model, forward, x, y, views=1):
     return _vectorized(model, forward, x, y, None, [], views, 0, differentiate=False)
 
 
-def weighted_per_example_gradients(model, forward, x, y, weights, variables, views=1, first_row=0):
+def weighted_per_example_gradients(model, forward, x, y, weights, variables, views=1, first_row=0,
+                                   with_values=False):
     """Each example run alone, as a batch of ``views`` copies, vectorized over the batch.
 
     ``forward(call, probe, x_i, y_i) -> (value, aux)`` computes example ``i``'s
@@ -266,18 +267,23 @@ def weighted_per_example_gradients(model, forward, x, y, weights, variables, vie
         views: copies of each example in its pass.
         first_row: the index of the batch's first row in the step's batch
             (its examples' seeds; a virtual batch starts past 0).
+        with_values: also return the values differentiated.
 
     Returns:
         ``(aux, cotangents, grads)``, each a list of arrays with a leading batch axis:
         ``cotangents[k][i] = ∂(w_i value_i)/∂p_k`` and
-        ``grads[j][i] = ∂(w_i value_i)/∂variables[j]``.
+        ``grads[j][i] = ∂(w_i value_i)/∂variables[j]``; with ``with_values``,
+        ``(aux, cotangents, grads, values)``, ``values[i] = w_i value_i`` (shape
+        ``(batch,)``, from the same pass).
     """
-    return _vectorized(model, forward, x, y, weights, variables, views, first_row)
+    out = _vectorized(model, forward, x, y, weights, variables, views, first_row)
+    return out if with_values else out[:3]
 
 
 def _vectorized(model, forward, x, y, weights, variables, views, first_row, differentiate=True):
-    """`weighted_per_example_gradients`, or (``differentiate=False``) the values
-    ``forward(...)[0] / views`` alone, with ``weights`` ``None``."""
+    """`weighted_per_example_gradients` (with its values), or
+    (``differentiate=False``) the values ``forward(...)[0] / views`` alone, with
+    ``weights`` ``None``."""
     backend = keras.backend.backend()
     seeds = ExampleSeeds(model)
     if backend == "jax":
@@ -322,15 +328,17 @@ def _vectorized(model, forward, x, y, weights, variables, views, first_row, diff
                 def value(subset, probes):
                     it = iter(probes)
                     v, aux = run(subset, lambda z: z + next(it), i, xi, yi)
-                    return wi / views * v, aux
+                    v = wi / views * v
+                    return v, (aux, v)
 
                 zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-                (grads, cotangents), aux = jax.grad(value, argnums=(0, 1), has_aux=True)(subset, zeros)
-                return aux, cotangents, grads
+                (grads, cotangents), (aux, v) = jax.grad(value, argnums=(0, 1), has_aux=True)(
+                    subset, zeros)
+                return aux, cotangents, grads, v
 
-            aux, cotangents, grads = jax.vmap(example, in_axes=(None, 0, 0, 0, 0))(
+            aux, cotangents, grads, values = jax.vmap(example, in_axes=(None, 0, 0, 0, 0))(
                 subset, rows, x, y, jnp.asarray(weights))
-        return list(aux), list(cotangents), list(grads)
+        return list(aux), list(cotangents), list(grads), values
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -362,13 +370,14 @@ def _vectorized(model, forward, x, y, weights, variables, views, first_row, diff
                 v = tf.cast(wi / views, v.dtype) * v
             grads = tape.gradient(v, variables + probes, unconnected_gradients="zero")
             grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
-            return list(aux), grads[len(variables):], grads[:len(variables)]
+            return list(aux), grads[len(variables):], grads[:len(variables)], v
 
         with seeds:
             if not differentiate:
                 return tf.vectorized_map(value, (rows, x, y))
-            aux, cotangents, grads = tf.vectorized_map(example, (rows, x, y, tf.cast(weights, "float32")))
-        return list(aux), list(cotangents), list(grads)
+            aux, cotangents, grads, values = tf.vectorized_map(
+                example, (rows, x, y, tf.cast(weights, "float32")))
+        return list(aux), list(cotangents), list(grads), values
     raise NotImplementedError(
         f"weighted_per_example_gradients supports jax and tensorflow, not {backend!r}"
     )

@@ -346,3 +346,91 @@ def test_random_layers_that_add_a_loss_keep_state_or_mix_are_refused_before_any_
     control = model_with(_RandomLayerThat("nothing"))
     control.fit(x, y, epochs=1, verbose=0)  # the same random layer alone trains
     assert control.privacy_ledger.training_steps() > 0
+
+
+class CallCounter(keras.layers.Layer):
+    """The identity, counting its calls (at trace time in a compiled step)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def call(self, x):
+        self.calls += 1
+        return x
+
+
+def test_step_reports_the_loss_of_its_only_per_example_pass(monkeypatch):
+    """With dropout and K = 3 views, a step's loss is Σ_i w_i mean_k ℓ_ik / b of the
+    per-example pass whose gradients are clipped (each example run alone with its
+    seeds), and the step's objective runs the model no more often than that one
+    gradient pass does: no second per-example pass for the loss."""
+    from kdp.training import objective as objective_module
+
+    k = 3
+    keras.utils.set_random_seed(0)
+    counter = CallCounter()
+    inputs = keras.Input((6,))
+    h = counter(keras.layers.Dropout(0.5, seed=4)(keras.layers.Dense(8, activation="tanh")(inputs)))
+    model = _compile(inputs, keras.layers.Dense(3)(h), (6,), augmentation_multiplicity=k)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 6)).astype("float32")
+    y = rng.integers(0, 3, BATCH)
+    w = np.array([1.0, 0.5, 1.0, 0.0, 1.0], "float32")
+
+    per_objective = []
+    original = objective_module.objective
+
+    def counted(*args, **kwargs):
+        before = counter.calls
+        out = original(*args, **kwargs)
+        if args[5]:  # objective(model, x, y, y_pred, sample_weight, training, ...)
+            per_objective.append(counter.calls - before)
+        return out
+
+    monkeypatch.setattr(objective_module, "objective", counted)
+    trainable = [keras.ops.convert_to_numpy(v.value) for v in model.trainable_variables]
+    reported = model.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"]
+    assert per_objective
+
+    # (a) Each example alone, its K copies with its own seeds, at the step's weights
+    # and the generators' states its objective read (Keras' forward pass drew first).
+    others = [v.value for v in model.non_trainable_variables]
+    seeds = autodiff.ExampleSeeds(model)
+
+    @autodiff.compile_function
+    def example_loss(i, xi, yi):
+        seeds.start(i)
+        with seeds:
+            out, _ = model.stateless_call(trainable, others, xi, training=True)
+        return keras.ops.sum(SCCE.call(yi, out)) / k
+
+    by_hand = [float(example_loss(np.int32(i), np.repeat(x[i:i + 1], k, 0), np.repeat(y[i:i + 1], k)))
+               for i in range(BATCH)]
+    np.testing.assert_allclose(reported, float(np.dot(w, by_hand)) / BATCH, rtol=1e-5)
+
+    # (b) Traced like the former step: the gradient pass, then the loss pass it ran
+    # besides (shapes only). The step's objective traces the model exactly as often
+    # as the gradient pass alone (JAX adds a shape-only trace); the counter sees the
+    # second pass.
+    def forward(call, probe, xi, yi):
+        return keras.ops.sum(SCCE.call(yi, call(xi))), []
+
+    counts = []
+
+    def both_passes(x, y, w):
+        start = counter.calls
+        clipping.clipped_gradient_sum(model, x, y, w)
+        counts.append(counter.calls - start)
+        values = autodiff.per_example_values(model, forward, x, y, views=k)
+        counts.append(counter.calls - start - counts[-1])
+        return values
+
+    autodiff.evaluate_shapes(both_passes, x, y, w)
+    once, second = counts[:2]
+    assert once >= 1 and second >= 1
+    assert per_objective == [once] * len(per_objective)
+    # Negative control for (a): without dropout and views, the loss is another value.
+    out, _ = model.stateless_call(trainable, others, x, training=False)
+    plain = keras.ops.convert_to_numpy(SCCE.call(y, out))
+    assert abs(reported - float(np.dot(w, plain)) / BATCH) > 1e-3

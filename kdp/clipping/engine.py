@@ -8,7 +8,7 @@ from kdp.clipping.kinds import Probes, ghost_layers, kind_of
 from kdp.clipping.groups import _owners, group_clipping_norms
 
 
-def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
+def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, with_losses=False):
     """``{variable.path: Σ_i clip(∇_v (w_i ℓ_i))}`` on one batch, vectorized.
 
     Flat clipping scales example ``i``'s whole gradient by
@@ -28,6 +28,12 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
             every variable.
         first_row: the index of ``x``'s first row in the step's batch (the
             examples' random seeds, `autodiff.ExampleSeeds`).
+        with_losses: also return the pass's losses.
+
+    Returns:
+        The sums; with ``with_losses``, ``(sums, losses)``, ``losses[i] = w_i ℓ_i``
+        (float32, shape ``(batch,)``) of the same pass: its random draws, ``ℓ_i``
+        the mean over the example's augmented views.
     """
     x = keras.tree.map_structure(ops.convert_to_tensor, x)
     y = ops.convert_to_tensor(y)
@@ -50,9 +56,10 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
     # record and their probes' cotangents, per-example gradients of every other variable.
     probes = Probes(layers)
     with probes:
-        aux, cotangents, grads = autodiff.weighted_per_example_gradients(
+        aux, cotangents, grads, losses = autodiff.weighted_per_example_gradients(
             model, probes.example_loss(model.loss), x, y, weights, others,
-            views=model.dp_parameters.augmentation_multiplicity, first_row=first_row)
+            views=model.dp_parameters.augmentation_multiplicity, first_row=first_row,
+            with_values=True)
         called = probes.called()
 
     calls = {}  # id(layer) -> (layer, [(aux, cotangent) per call])
@@ -83,14 +90,15 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0):
         out.update(kind.weighted_sums(layer, state, factors[group(layer.trainable_variables[0])]))
     for v, g in zip(others, grads):
         out[v.path] = ops.tensordot(factors[group(v)], g, axes=1)
-    return {v.path: ops.cast(out[v.path], v.dtype) for v in trainable}  # the variable's dtype
+    sums = {v.path: ops.cast(out[v.path], v.dtype) for v in trainable}  # the variable's dtype
+    return (sums, ops.cast(losses, "float32")) if with_losses else sums
 
 
-def _chunked_sum(model, x, y, weights, chunk):
+def _chunked_sum(model, x, y, weights, chunk, with_losses=False):
     """`clipped_gradient_sum` over chunks of ``chunk`` rows (virtual batches)."""
     batch = y.shape[0]  # None when TensorFlow traced an unknown batch size
     if batch is not None and batch <= chunk:
-        return clipped_gradient_sum(model, x, y, weights)
+        return clipped_gradient_sum(model, x, y, weights, with_losses=with_losses)
     n_rows = ops.shape(y)[0]
     pad = (-n_rows) % chunk
     x = keras.tree.map_structure(lambda t: _pad_rows(t, pad), x)
@@ -99,17 +107,25 @@ def _chunked_sum(model, x, y, weights, chunk):
     steps = (n_rows + pad) // chunk
     init = [ops.zeros(v.shape, v.dtype) for v in model.trainable_variables]
     paths = [v.path for v in model.trainable_variables]
+    if with_losses:
+        init.append(ops.zeros((n_rows + pad,), "float32"))  # the per-example losses
 
     def body(i, acc):
         start = i * chunk
         xs = keras.tree.map_structure(lambda t: _rows(t, start, chunk), x)
         ys = _rows(y, start, chunk)
         ws = _rows(weights, start, chunk)
-        part = clipped_gradient_sum(model, xs, ys, ws, first_row=start)
-        return [a + part[p] for a, p in zip(acc, paths)]
+        part = clipped_gradient_sum(model, xs, ys, ws, first_row=start, with_losses=with_losses)
+        if not with_losses:
+            return [a + part[p] for a, p in zip(acc, paths)]
+        part, losses = part
+        rows = ops.expand_dims(start + ops.arange(chunk, dtype="int32"), 1)
+        return ([a + part[p] for a, p in zip(acc, paths)]
+                + [ops.scatter_update(acc[-1], rows, losses)])
 
     total = ops.fori_loop(0, steps, body, init)
-    return dict(zip(paths, total))
+    sums = dict(zip(paths, total))
+    return (sums, ops.slice(total[-1], [0], [n_rows])) if with_losses else sums
 
 
 def _pad_rows(t, pad):
@@ -126,8 +142,10 @@ def _rows(t, start, size):
 def clipped_objective(model, x, y, values, sample_weight):
     """The clipping-mode data term: value ``Σ w_i ℓ_i / b``, gradient ``ḡ / b``.
 
-    ``values`` are the weighted per-example losses of Keras' forward pass (used
-    for the value only); the noise term is added by the model.
+    ``values`` are weighted per-example losses (used for the value only), e.g.
+    those of Keras' forward pass; ``None``: those of the pass that computes ḡ
+    (its random draws, its mean over augmented views). The noise term is added
+    by the model.
     """
     b = model.dataset_metadata.batch_size
     x = keras.tree.map_structure(ops.convert_to_tensor, x)
@@ -135,10 +153,13 @@ def clipped_objective(model, x, y, values, sample_weight):
     weights = (ops.ones((ops.shape(y)[0],), "float32") if sample_weight is None
                else ops.reshape(ops.cast(sample_weight, "float32"), (-1,)))
     chunk = model.dp_parameters.physical_batch_size
+    own = values is None
     if chunk:
-        gbar = _chunked_sum(model, x, y, weights, chunk)
+        gbar = _chunked_sum(model, x, y, weights, chunk, with_losses=own)
     else:
-        gbar = clipped_gradient_sum(model, x, y, weights)
+        gbar = clipped_gradient_sum(model, x, y, weights, with_losses=own)
+    if own:
+        gbar, values = gbar
     total = ops.stop_gradient(ops.sum(values) / b)
     for v in model.trainable_variables:
         value = v.value

@@ -31,7 +31,6 @@ from keras import ops
 
 from kdp import autodiff, clipping, distribute
 from kdp.bounds import bound_sqrt, compute_gradient_bounds
-from kdp.clipping.loss import per_example_loss
 
 
 def noise_stds(model, plan=None):
@@ -74,19 +73,6 @@ def noise_term(model, plan, seed_generator):
     return term * ops.cast(distribute.noise_share(), term.dtype)
 
 
-def _per_example_pass_losses(model, x, y, sample_weight):
-    """The weighted losses of the per-example pass whose gradients are clipped
-    (its own random draws, its mean over augmented views), not those of Keras'
-    forward pass on the batch, which drew other random values."""
-    def forward(call, probe, xi, yi):
-        return ops.sum(per_example_loss(model.loss, yi, call(xi))), []
-
-    values = autodiff.per_example_values(model, forward, x, y,
-                                         views=model.dp_parameters.augmentation_multiplicity)
-    return values if sample_weight is None else values * ops.reshape(
-        ops.cast(sample_weight, values.dtype), ops.shape(values))
-
-
 @ops.custom_gradient
 def _zero_with_gradient(*args):
     """``0``, with gradient ``ξ_i`` for ``v_i`` and none for ``ξ_i``; ``args`` are
@@ -124,7 +110,9 @@ def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
     gate.require_open(plan=plan)
     if plan.clipping_norm is not None:
         if autodiff.random_generators(model) or model.dp_parameters.augmentation_multiplicity > 1:
-            values = _per_example_pass_losses(model, x, y, sample_weight)
+            # Random draws or views of their own: the loss reported is that of the
+            # per-example pass whose gradients are clipped (it computes both).
+            values = None
         total = clipping.clipped_objective(model, x, y, values, sample_weight)  # grad: ḡ/b
     else:
         total = ops.sum(values) / plan.batch_size
