@@ -40,10 +40,11 @@ attribute, rather than a Keras variable, would). Inside that pass:
   ``c_i = min(1, C/‖g_i‖)``. Covered: exact ``Dense``, ``EinsumDense`` (an
   equation that is a matmul over rows), ``Conv1D`` / ``Conv2D`` (as a matmul
   of the input's patches; channels last, ``groups=1``, ``"valid"`` or
-  ``"same"``), ``Embedding``, ``LayerNormalization``, ``RMSNormalization``,
-  with every weight trainable, not quantized, no LoRA.
-* **Every other trainable variable** (LoRA factors, keras_hub's
-  ``ReversibleEmbedding`` and ``PositionEmbedding``, custom layers):
+  ``"same"``), ``Embedding``, ``ReversibleEmbedding`` (lookups and the
+  reverse projection, tied or not), keras_hub's ``PositionEmbedding``,
+  ``LayerNormalization``, ``RMSNormalization``, with every weight trainable,
+  not quantized, no LoRA (`kdp.clipping.kinds`).
+* **Every other trainable variable** (LoRA factors, custom layers):
   per-example gradients.
 * Norms of both are summed per example (``"flat"``) or per layer
   (``"per-layer"``: layer ``l`` clipped at ``C_l``, ``Σ_l C_l² = C²``).

@@ -3,8 +3,8 @@ scatter-add of its output cotangents ``g_s`` at its token ids, so
 ``‖∇‖² = Σ_{s,t: id_s = id_t} g_s·g_t`` (Li et al. 2022, Appendix; Bu et al.
 2023): a ``(T, T)`` Gram form per example when ``T² ≤ V·d``, else the
 materialised ``(V, d)`` gradient. The sum ``Σ_i c_i ∇_i`` is one scatter-add.
-keras_hub's ``ReversibleEmbedding`` (a subclass, whose table may also be the
-output projection) is left to per-example gradients."""
+``ReversibleEmbedding`` (a subclass, whose table may also be the output
+projection) is its own kind (`reversible_embedding`)."""
 
 import math
 
