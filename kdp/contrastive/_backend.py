@@ -8,6 +8,7 @@ Everything else in `kdp.contrastive` is `keras.ops`. The functions here take a
 * `per_example_jacobians`: for ``fn(params, x) -> (n, d)`` whose row ``k``
   depends only on ``x_k`` (checked by the caller), the per-example Jacobians
   ``∂ fn(params, x)_k / ∂ params``, a list of ``(n, d, *param.shape)``;
+  ``x`` may be a structure (dict, list) of arrays with one row per example;
 * `pair_gradients`: brute force, for ``fn(params, a, b) -> scalar`` on single
   examples, ``∇ fn(params, a_i, b_j)`` for every pair, a list of
   ``(n, m, *param.shape)`` (the O(n²)-memory reference);
@@ -38,7 +39,8 @@ def grad(fn, params):
     with tf.GradientTape() as tape:
         tape.watch(params)
         value = fn(params)
-    return list(tape.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    grads = tape.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
 
 
 def per_example_jacobians(fn, params, x):
@@ -47,7 +49,7 @@ def per_example_jacobians(fn, params, x):
         import jax
 
         def single(p, xi):
-            return fn(p, xi[None])[0]
+            return fn(p, keras.tree.map_structure(lambda t: t[None], xi))[0]
 
         return list(jax.vmap(jax.jacrev(single), in_axes=(None, 0))(list(params), x))
     import tensorflow as tf
@@ -72,17 +74,19 @@ def pair_gradients(fn, params, a, b):
     import tensorflow as tf
 
     params = [tf.convert_to_tensor(p) for p in params]
-    a = tf.convert_to_tensor(a)
-    b = tf.convert_to_tensor(b)
-    n, m = a.shape[0], b.shape[0]
+    a = keras.tree.map_structure(tf.convert_to_tensor, a)
+    b = keras.tree.map_structure(tf.convert_to_tensor, b)
+    n, m = keras.tree.flatten(a)[0].shape[0], keras.tree.flatten(b)[0].shape[0]
     ii, jj = tf.meshgrid(tf.range(n), tf.range(m), indexing="ij")
 
     def one(idx):
         i, j = idx[0], idx[1]
         with tf.GradientTape() as tape:
             tape.watch(params)
-            value = fn(params, tf.gather(a, i), tf.gather(b, j))
-        return tape.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            value = fn(params, keras.tree.map_structure(lambda t: tf.gather(t, i), a),
+                       keras.tree.map_structure(lambda t: tf.gather(t, j), b))
+        grads = tape.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in grads]
 
     idx = tf.stack([tf.reshape(ii, [-1]), tf.reshape(jj, [-1])], axis=1)
     grads = tf.vectorized_map(one, idx)

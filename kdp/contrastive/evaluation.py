@@ -1,6 +1,9 @@
 """Pair data and evaluation of contrastive embeddings: k-NN accuracy, DP fine-tuning."""
 
+import keras
 import numpy as np
+
+from kdp.training.validation import is_structure
 
 
 def same_class_pairs(x, y, seed=0):
@@ -29,10 +32,13 @@ def same_class_pairs(x, y, seed=0):
 
 def embed(encoder, x, loss=None, batch_size=512):
     """Embeddings of ``x``: ``loss.embed(encoder(x))`` if a contrastive loss is
-    given, else the encoder outputs scaled to unit norm. NumPy ``(n, d)``."""
+    given, else the encoder outputs scaled to unit norm. NumPy ``(n, d)``. ``x`` is
+    an array or a structure (dict, list) of arrays with one row per example."""
+    x = keras.tree.map_structure(np.asarray, x) if is_structure(x) else np.asarray(x, "float32")
     out = []
-    for start in range(0, len(x), batch_size):
-        f = encoder(np.asarray(x[start:start + batch_size], "float32"), training=False)
+    for start in range(0, len(keras.tree.flatten(x)[0]), batch_size):
+        f = encoder(keras.tree.map_structure(lambda a: a[start:start + batch_size], x),
+                    training=False)
         if loss is not None:
             f = loss.embed(f)
         out.append(np.asarray(f))
@@ -93,8 +99,6 @@ def finetune_head(encoder, x_train, y_train, nb_classes, loss=None, epochs=5, ba
         ``(head, history)``; ``history.history`` has ``val_accuracy`` if a test set
         is given.
     """
-    import keras
-
     from kdp.layers import DP_BoundedInput, DP_SpectralDense
     from kdp.losses import DP_TauCategoricalCrossentropy
     from kdp.model import DP_Sequential, DPParameters

@@ -57,7 +57,10 @@ class PairGradients:
     All methods take ``params`` (the values of ``encoder.trainable_variables``, in
     order) and ``others`` (those of ``encoder.non_trainable_variables``), so they
     can be differentiated and compiled on either backend. The encoder is always
-    called with ``training=False`` (deterministic, per example).
+    called with ``training=False`` (deterministic, per example: no dropout).
+    Inputs ``x``, ``xp`` are arrays or structures (dict, list) of arrays with one
+    row per example, e.g. the ``token_ids``, ``segment_ids`` and ``padding_mask``
+    of a keras_hub text encoder.
 
     Args:
         encoder: a built Keras model mapping a batch of inputs to ``(n, d)``.
@@ -163,7 +166,8 @@ class PairGradients:
     def pair_gradients(self, params, others, x, xp):
         """Brute force: every ``g_ij`` materialised, a list of ``(n, n, *shape)``."""
         def fn(p, a, b):
-            return ops.sum(self.similarities(p, others, a[None], b[None]))
+            a, b = (keras.tree.map_structure(lambda t: t[None], z) for z in (a, b))
+            return ops.sum(self.similarities(p, others, a, b))
 
         return _backend.pair_gradients(fn, params, x, xp)
 
@@ -250,8 +254,18 @@ def clipless_pair_bound(encoder, loss, input_bound=None):
             "similarity set norm_floor=κ > 0 in the loss (h(f) = f / max(‖f‖, κ)), or use "
             "similarity='dot' with a radius"
         )
-    x0 = encoder_input_bound(encoder, input_bound)
-    _, params = backpropagate(encoder, x0, g)
+    try:
+        x0 = encoder_input_bound(encoder, input_bound)
+        _, params = backpropagate(encoder, x0, g)
+    except BoundError as error:
+        if "no input norm bound" in str(error):
+            raise
+        raise BoundError(
+            f"the clipless strategy bounds every per-pair gradient analytically, which needs an "
+            f"encoder made of kdp Lipschitz layers; {encoder.name} is not "
+            f"({str(error).split('. ')[0]}). Train it with strategy='logit-dp' (per-pair "
+            "clipping) or 'naive' (batch gradient clipping) instead."
+        ) from error
     betas = {}
     for v in encoder.trainable_variables:
         if v.path not in params:

@@ -78,7 +78,7 @@ from kdp.contrastive.gradients import PairGradients, clipless_pair_bound
 from kdp.pipeline import PoissonBatches
 from kdp.training import seeds
 from kdp.training.gate import PrivacyGate
-from kdp.training.validation import check_input_norms
+from kdp.training.validation import check_input_norms, is_structure
 from kdp.training.ledger import event_mechanism, training_mechanism
 
 STRATEGIES = ("logit-dp", "naive", "clipless", "non-private")
@@ -90,7 +90,10 @@ class ContrastiveTrainer:
 
     Args:
         encoder: a built Keras model ``(n, ...) -> (n, d)`` that processes each
-            example independently (no BatchNormalization; checked). For
+            example independently (no BatchNormalization; checked), called with
+            ``training=False`` (dropout is not applied). Its inputs may be a
+            structure (a dict or list of arrays, e.g. a keras_hub text encoder's
+            ``token_ids``, ``segment_ids``, ``padding_mask``). For
             ``"clipless"`` it must be made of kdp DP layers with an input bound.
         loss: `DP_InfoNCE` or `DP_Spreadout`.
         strategy: one of ``"logit-dp"``, ``"naive"``, ``"clipless"``, ``"non-private"``.
@@ -216,9 +219,8 @@ class ContrastiveTrainer:
 
     def batch_gradient(self, x, xp, mask=None):
         """``ḡ`` (before noise, not divided by b) on one batch; for tests and audits."""
-        x = ops.convert_to_tensor(np.asarray(x, "float32"))
-        xp = ops.convert_to_tensor(np.asarray(xp, "float32"))
-        mask = ops.ones((x.shape[0],)) if mask is None else ops.convert_to_tensor(
+        x, xp = _tensors(x), _tensors(xp)
+        mask = ops.ones((_rows(x),)) if mask is None else ops.convert_to_tensor(
             np.asarray(mask, "float32"))
         params, others = self.engine.variables()
         grads, value = self._gradient_fn(params, others, x, xp, mask)
@@ -246,17 +248,21 @@ class ContrastiveTrainer:
 
     # -- training --------------------------------------------------------------------------
     def _prepare(self, x, xp, epochs, steps_per_epoch):
-        x = np.asarray(x, "float32")
-        xp = np.asarray(xp, "float32")
-        if x.shape != xp.shape:
-            raise ValueError(f"anchors {x.shape} and positives {xp.shape} must have the same shape")
-        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(xp))):
-            raise ValueError("the training pairs contain NaN or infinite values")
+        x, xp = _arrays(x), _arrays(xp)
+        shapes = [keras.tree.map_structure(lambda a: a.shape, z) for z in (x, xp)]
+        if shapes[0] != shapes[1]:
+            raise ValueError(f"anchors {shapes[0]} and positives {shapes[1]} must have the same shape")
+        leaves = keras.tree.flatten(x) + keras.tree.flatten(xp)
+        if any(len(a) != len(leaves[0]) for a in leaves):
+            raise ValueError("every input array must have one row per pair")
+        if not all((np.issubdtype(a.dtype, np.number) or a.dtype == bool) and np.all(np.isfinite(a))
+                   for a in leaves):
+            raise ValueError("the training pairs contain NaN, infinite or non-numeric values")
         if (self.strategy == "clipless" and self.input_bound is not None
                 and uses_input_bound(self.encoder, self.input_bound)):
             check_input_norms([x, xp], self.input_bound, "input_bound={:g}",
                               "or start the encoder with DP_BoundedInput and leave input_bound out")
-        n = len(x)
+        n = _rows(x)
         if self.nb_pairs is not None and n != self.nb_pairs:
             raise ValueError(f"this trainer was started on {self.nb_pairs} pairs, got {n}")
         if not 1 <= self.batch_size <= n:
@@ -269,14 +275,15 @@ class ContrastiveTrainer:
             self.noise_multiplier = privacy.calibrate_noise_multiplier(
                 self.target_epsilon, self.sampling_rate, epochs * steps, self.delta,
                 "rdp")  # the accountant `privacy_spent` reports
-        self._check_independence(x[: min(n, 4)])
+        self._check_independence(keras.tree.map_structure(lambda a: a[: min(n, 4)], x))
         return x, xp, steps
 
     def _check_independence(self, x):
         params, others = self.engine.variables()
-        batch = np.asarray(self.engine.features(params, others, ops.convert_to_tensor(x)))
-        for k in range(len(x)):
-            alone = np.asarray(self.engine.features(params, others, ops.convert_to_tensor(x[k:k + 1])))
+        batch = np.asarray(self.engine.features(params, others, _tensors(x)))
+        for k in range(_rows(x)):
+            one = keras.tree.map_structure(lambda a: a[k:k + 1], x)
+            alone = np.asarray(self.engine.features(params, others, _tensors(one)))
             if not np.allclose(batch[k], alone[0], rtol=1e-4, atol=1e-5):
                 raise ValueError(
                     f"{self.encoder.name}: the embedding of an example depends on the other "
@@ -289,7 +296,8 @@ class ContrastiveTrainer:
         return self.batch_size / self.nb_pairs
 
     def fit(self, x, xp, epochs=1, steps_per_epoch=None, callbacks=None, verbose=0):
-        """Train on the pairs ``(x[k], xp[k])`` with Poisson sampling.
+        """Train on the pairs ``(x[k], xp[k])`` with Poisson sampling (``x``, ``xp``
+        arrays, or structures of arrays with one row per pair).
 
         Returns a `keras.callbacks.History`-like dict: ``{"loss": [...],
         "epsilon": [...]}`` per epoch (the mean over the epoch's steps of the
@@ -299,7 +307,9 @@ class ContrastiveTrainer:
         x, xp, steps = self._prepare(x, xp, epochs, steps_per_epoch)
         mechanism = self.step_mechanism()
         self.privacy_gate.begin_run(mechanism, epochs * steps, self._noise_seed, self.reproducible)
-        sampler = PoissonBatches(x, xp, self.batch_size, steps_per_epoch=steps,
+        # (anchors, positives) as one structure: every array is sampled and padded alike
+        sampler = PoissonBatches((x, xp), np.zeros(self.nb_pairs, "float32"), self.batch_size,
+                                 steps_per_epoch=steps,
                                  seed=self._draw_seed(1) if self.reproducible else None)
         history = {"loss": [], "epsilon": [], "step_loss": []}
         variables = self.encoder.trainable_variables
@@ -307,7 +317,7 @@ class ContrastiveTrainer:
             losses = []
             for step in range(steps):
                 with self.privacy_gate.spend(mechanism):  # recorded before the step runs
-                    xb, xpb, wb = sampler[step]
+                    (xb, xpb), _, wb = sampler[step]
                     grads, value = self._noisy_gradient(xb, xpb, (wb > 0).astype("float32"))
                     self._apply(grads, variables)
                 losses.append(float(value) / self.batch_size)
@@ -339,6 +349,20 @@ class ContrastiveTrainer:
             "delta": self.delta, "steps": sum(e["count"] for e in self.privacy_ledger.entries),
             "accountant": "rdp, Poisson sampling, add/remove one pair",
         }
+
+
+def _arrays(x):
+    """``x`` as NumPy: float32 if one array, each array's own dtype in a structure
+    (token ids stay integers)."""
+    return keras.tree.map_structure(np.asarray, x) if is_structure(x) else np.asarray(x, "float32")
+
+
+def _tensors(x):
+    return keras.tree.map_structure(ops.convert_to_tensor, _arrays(x))
+
+
+def _rows(x):
+    return keras.tree.flatten(x)[0].shape[0]
 
 
 __all__ = ["ContrastiveTrainer", "STRATEGIES", "SENSITIVITY_SIZES"]
