@@ -38,8 +38,8 @@ BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_
 WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py"}
 #: test modules whose module-scoped fixtures train models (some in child processes): run
 #: on one pytest-xdist worker (``--dist loadgroup``), so each fixture runs once
-ONE_WORKER = {"test_certificates.py", "test_distributed.py", "test_multiprocess.py",
-              "test_training.py"}
+ONE_WORKER = {"test_certificates.py", "test_contrastive_encoders.py", "test_distributed.py",
+              "test_multiprocess.py", "test_training.py"}
 
 
 def pytest_configure(config):

@@ -17,7 +17,8 @@ Tiers (each a pytest run; the suite fails if one fails):
 
 ``--workers`` (default 2, or 1 on a one-core machine) runs each tier on that
 many pytest-xdist processes (``--dist loadgroup``: a module whose shared
-fixtures train models stays on one worker, so they train once). Extra arguments go to every pytest run.
+fixtures train models stays on one worker, so they train once). Each tier
+prints its `SLOWEST` tests. Extra arguments go to every pytest run.
 """
 
 import argparse
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 
+#: each tier lists its slowest tests (setup and call), where its time goes
+SLOWEST = 20
 SPLIT = {"KDP_TEST_SPLIT": "1"}  # docs pages and notebooks on one backend each
 TIERS = (
     ("backend-independent", {"KERAS_BACKEND": "jax"}, ["-m", "backend_independent"]),
@@ -44,7 +47,8 @@ def main(argv=None):
     results = []
     for name, env, options in TIERS:
         workers = ["-n", str(args.workers), "--dist", "loadgroup"] if args.workers > 1 else []
-        command = [sys.executable, "-m", "pytest", "-q", *workers, *options, *extra]
+        command = [sys.executable, "-m", "pytest", "-q", f"--durations={SLOWEST}", *workers, *options,
+                   *extra]
         print(f"\n=== {name}: {' '.join(f'{k}={v}' for k, v in env.items())} "
               f"{' '.join(command[1:])}", flush=True)
         start = time.perf_counter()

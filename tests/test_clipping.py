@@ -16,7 +16,7 @@ import pytest
 from kdp import audit, clipping
 from kdp.clipping.engine import _chunked_sum
 from kdp.admission import AdmissionError
-from kdp.autodiff import gradient
+from kdp.autodiff import compile_function, gradient
 from kdp.model import DP_Model, DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
 
@@ -69,19 +69,28 @@ def _build(kind, clipping_norm=1.0, mode="flat", sigma=1.0, physical_batch_size=
     return model, x, y, w
 
 
-def _brute_force(model, x, y, w, norms=None):
-    """Per-example gradients by a Python loop; returns (list of {path: g_i}, per-example norms)."""
+def clipped_sum(model, **options):
+    """``(x, y, w) -> clipping.clipped_gradient_sum(model, x, y, w, **options)``, compiled
+    (one trace per shape: JAX's eager mode compiles each primitive at its first use)."""
+    return compile_function(lambda x, y, w: clipping.clipped_gradient_sum(model, x, y, w, **options))
+
+
+def _brute_force(model, x, y, w):
+    """Per-example gradients by a Python loop over the examples: ``[{path: g_i}]``."""
     trainable = model.trainable_variables
     others = [v.value for v in model.non_trainable_variables]
-    per_example = []
-    for i in range(len(x)):
-        def loss_i(*values, i=i):
-            out, _ = model.stateless_call(list(values), others, x[i:i + 1], training=True)
-            return w[i] * keras.ops.sum(SCCE.call(y[i:i + 1], out))
 
-        grads = gradient(loss_i, *[v.value for v in trainable])
-        per_example.append({v.path: _dense(g) for v, g in zip(trainable, grads)})
-    return per_example
+    @compile_function
+    def gradients(values, x_i, y_i, w_i):
+        def loss_i(*values):
+            out, _ = model.stateless_call(list(values), others, x_i, training=True)
+            return w_i * keras.ops.sum(SCCE.call(y_i, out))
+
+        return gradient(loss_i, *values)
+
+    values = [v.value for v in trainable]
+    return [{v.path: _dense(g) for v, g in zip(trainable, gradients(values, x[i:i + 1], y[i:i + 1], w[i]))}
+            for i in range(len(x))]
 
 
 def _dense(g):
@@ -126,7 +135,7 @@ def test_clipped_sum_matches_brute_force(kind, mode):
     expected = _clip_by_hand(model, per_example, mode, c)
     unclipped = {p: sum(g[p] for g in per_example) for p in expected}
     for ghost in (True, False):
-        got = clipping.clipped_gradient_sum(model, x, y, w, ghost=ghost)
+        got = clipped_sum(model, ghost=ghost)(x, y, w)
         assert set(got) == set(expected)
         for path in expected:
             assert _rel_err(got[path], expected[path]) < 1e-5, (ghost, path)
@@ -136,10 +145,11 @@ def test_clipped_sum_matches_brute_force(kind, mode):
 
 def test_padding_rows_contribute_nothing():
     model, x, y, w = _build("dense")
-    got = clipping.clipped_gradient_sum(model, x, y, w)
+    clipped = clipped_sum(model)
+    got = clipped(x, y, w)
     x2 = x.copy()
     x2[w == 0] = 1e3 * np.random.default_rng(5).normal(size=x2[w == 0].shape)  # garbage padding
-    again = clipping.clipped_gradient_sum(model, x2, y, w)
+    again = clipped(x2, y, w)
     for p in got:
         np.testing.assert_allclose(np.asarray(again[p]), np.asarray(got[p]), rtol=1e-6, atol=1e-7)
 
@@ -327,12 +337,13 @@ def _folded(kind):
 def _contributions(model, x, y):
     """``‖ḡ(batch) − ḡ(batch with example k weighted 0)‖`` for every example ``k``."""
     w = np.ones(len(x), "float32")
-    full = clipping.clipped_gradient_sum(model, x, y, w)
+    clipped = clipped_sum(model)
+    full = clipped(x, y, w)
     out = []
     for k in range(len(x)):
         w_k = w.copy()
         w_k[k] = 0.0
-        part = clipping.clipped_gradient_sum(model, x, y, w_k)
+        part = clipped(x, y, w_k)
         out.append(math.sqrt(sum(float(np.sum((np.asarray(full[p], "float64")
                                                - np.asarray(part[p], "float64")) ** 2)) for p in full)))
     return out

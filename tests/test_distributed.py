@@ -5,10 +5,9 @@ TensorFlow: `tf.distribute.MirroredStrategy` over 4 logical CPU devices.
 
 Device counts are fixed when the backend initialises, so the measurements run
 in a subprocess (this file run as a script, ``--worker``) that prints one JSON
-line; the tests below check it. Only the current ``KERAS_BACKEND`` is run; the
-other backend's tests are skipped. What is measured, through the real `fit`
-path (Poisson batches, Keras' compiled ``train_step``, the engine's gradient
-reduction):
+line; the tests below check it, on the current ``KERAS_BACKEND``. What is
+measured, through the real `fit` path (Poisson batches, Keras' compiled
+``train_step``, the engine's gradient reduction):
 
 * noise: every sample weight 0 and SGD(1) with the projections detached, so a
   step moves each variable by minus the noise of the reduced gradient. Its std
@@ -32,6 +31,7 @@ reduction):
   and the noise std ``σ C / b`` on 4 replicas.
 """
 
+import functools
 import json
 import math
 import os
@@ -255,6 +255,7 @@ def _worker():
 # --- the tests (pytest process) --------------------------------------------------------
 
 
+@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
 def _run_worker(backend):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     if backend == "jax":
@@ -266,15 +267,12 @@ def _run_worker(backend):
     return json.loads(line[len("KDP_RESULT "):])
 
 
-@pytest.fixture(scope="module", params=["jax", "tensorflow"])
-def result(request):
+@pytest.fixture(scope="module")
+def result():
+    """The worker's measurements on the current backend."""
     import keras
 
-    current = keras.backend.backend()
-    if request.param != current:
-        pytest.skip(f"{request.param} data-parallel test: KERAS_BACKEND is {current!r} "
-                    f"(run the suite with KERAS_BACKEND={request.param})")
-    return _run_worker(request.param)
+    return _run_worker(keras.backend.backend())
 
 
 def _within(measured, expected, tol=0.03):

@@ -12,7 +12,7 @@ import math
 import keras
 import numpy as np
 import pytest
-from test_clipping import SCCE, _brute_force, _clip_by_hand, _median_norm
+from test_clipping import SCCE, _brute_force, _clip_by_hand, _median_norm, clipped_sum
 
 from kdp import autodiff, clipping
 from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, normalization, position_embedding,
@@ -189,7 +189,7 @@ def _differentiated(monkeypatch):
 def _max_error(model, x, y, w, per_example, mode, c):
     model.dp_parameters = model.dp_parameters.replace(clipping_norm=c)
     expected = _clip_by_hand(model, per_example, mode, c)
-    got = clipping.clipped_gradient_sum(model, x, y, w)
+    got = clipped_sum(model)(x, y, w)
     assert set(got) == set(expected)
     # A gradient zero in exact arithmetic (a key bias, under the softmax) is float noise:
     # each variable's error is relative to at least 1e-4 of the whole gradient's norm.
@@ -240,9 +240,9 @@ def test_each_contribution_is_at_most_c(case):
     model, x, y, _ = _build(case)
     c = 0.5 * _median_norm(_brute_force(model, x, y, np.ones(BATCH, "float32")))
     model.dp_parameters = model.dp_parameters.replace(clipping_norm=c)
-    norms = []
+    norms, clipped = [], clipped_sum(model)
     for k in range(BATCH):
-        alone = clipping.clipped_gradient_sum(model, x, y, np.eye(BATCH, dtype="float32")[k])
+        alone = clipped(x, y, np.eye(BATCH, dtype="float32")[k])
         norms.append(math.sqrt(sum(float(np.sum(np.asarray(g, "float64") ** 2)) for g in alone.values())))
     assert max(norms) <= c * (1 + 1e-5), norms
     assert sum(n > c * (1 - 1e-4) for n in norms) >= BATCH // 2  # clipped examples attain C

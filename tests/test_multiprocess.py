@@ -31,6 +31,7 @@ process, against a stand-in for the collective: threads that gather each
 other's arrays (`_simulate`), or one process whose peers echo its own record.
 """
 
+import functools
 import json
 import math
 import os
@@ -300,13 +301,18 @@ def _tail(tmp_path, processes):
                      for r in range(processes))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"{p}proc")
-def trained(request, tmp_path_factory):
-    processes = request.param
-    tmp = tmp_path_factory.mktemp(f"train{processes}")
+@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+def _trained(processes, tmp_root):
+    tmp = tmp_root / f"train{processes}"
+    tmp.mkdir()
     results, codes = launch(processes, "train", tmp)
     assert codes == [0] * processes and len(results) == processes, _tail(tmp, processes)
     return processes, [results[r] for r in range(processes)]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"{p}proc")
+def trained(request, tmp_path_factory):
+    return _trained(request.param, tmp_path_factory.getbasetemp())
 
 
 def _within(measured, expected, tol=0.03):

@@ -14,6 +14,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from test_clipping import clipped_sum
 
 from kdp import autodiff, clipping
 from kdp.admission import AdmissionError
@@ -88,11 +89,6 @@ def _loop(model, x, y, w, index=lambda i: i):
     return grads, losses
 
 
-def _clipped_sum(model):
-    """`clipping.clipped_gradient_sum` of ``model``, compiled (one trace per shape)."""
-    return autodiff.compile_function(lambda x, y, w: clipping.clipped_gradient_sum(model, x, y, w))
-
-
 def _dense(g):
     if type(g).__name__ == "IndexedSlices":  # TensorFlow's sparse embedding gradient
         import tensorflow as tf
@@ -121,13 +117,13 @@ def _rel_err(got, expected):
 
 def _contribution_norms(model, x, y, w):
     """``‖ḡ(batch) − ḡ(batch with example k weighted 0)‖`` for every example ``k``."""
-    clipped_sum = _clipped_sum(model)
-    full = clipped_sum(x, y, w)
+    clipped = clipped_sum(model)
+    full = clipped(x, y, w)
     out = []
     for k in range(len(y)):
         w_k = w.copy()
         w_k[k] = 0.0
-        part = clipped_sum(x, y, w_k)
+        part = clipped(x, y, w_k)
         out.append(_norm({p: np.asarray(full[p], "float64") - np.asarray(part[p], "float64") for p in full}))
     return out
 
@@ -144,7 +140,7 @@ def test_bert_clipped_sum_is_the_per_example_loop(lora):
     c = float(np.median([_norm(g) for g in per_example[:-1]]))  # about half are clipped
     model.dp_parameters = model.dp_parameters.replace(clipping_norm=c)
     expected = _clip(per_example, c)
-    got = _clipped_sum(model)(x, y, w)
+    got = clipped_sum(model)(x, y, w)
     assert set(got) == {v.path for v in model.trainable_variables}
     assert _rel_err(got, expected) < 1e-4
     if lora:  # only the adapters of the backbone's dense layers are trained, not their kernels

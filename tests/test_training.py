@@ -11,6 +11,7 @@ hand from the bound formulas, independently of `compute_gradient_bounds`.
 """
 
 import concurrent.futures
+import functools
 import math
 import warnings
 
@@ -90,11 +91,16 @@ def _rms(noise):
 STEPS = 120  # bias: 96 × 120 = 11 520 draws, relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
 
 
+@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+def _noise_run(strategy):
+    keras.utils.set_random_seed(1)
+    model = _noise_model(strategy)
+    return strategy, model, _draw_noise(model, STEPS)
+
+
 @pytest.fixture(scope="module", params=["per-layer", "global"])
 def noise_run(request):
-    keras.utils.set_random_seed(1)
-    model = _noise_model(request.param)
-    return request.param, model, _draw_noise(model, STEPS)
+    return _noise_run(request.param)
 
 
 def test_noise_std_is_what_the_guarantee_says(noise_run):
