@@ -39,18 +39,26 @@ class EmbeddingKind(Kind):
         return ids[0], g[0]
 
     def sq_norms(self, layer, state):
-        ids, g = state
-        vocabulary, d = layer.embeddings.shape
-        t = ids.shape[1]
-        if t * t <= vocabulary * d:
-            same = ops.equal(ids[:, :, None], ids[:, None, :])
-            gram = ops.einsum("bsd,btd->bst", g, g)
-            return ops.sum(ops.where(same, gram, ops.zeros_like(gram)), axis=(1, 2))
-        table = ops.einsum("btv,btd->bvd", ops.one_hot(ids, vocabulary, dtype=g.dtype), g)
-        return ops.sum(ops.square(table), axis=(1, 2))
+        return table_sq_norms(*state, layer.embeddings.shape[0])
 
     def weighted_sums(self, layer, state, c):
-        ids, g = state
-        vocabulary, d = layer.embeddings.shape
-        rows = ops.reshape(g * ops.cast(c, g.dtype)[:, None, None], (-1, d))
-        return {layer.embeddings.path: ops.segment_sum(rows, ops.reshape(ids, (-1,)), num_segments=vocabulary)}
+        return {layer.embeddings.path: table_weighted_sum(*state, c, layer.embeddings.shape[0])}
+
+
+def table_sq_norms(ids, g, rows):
+    """Each example's ``‖Σ_t one_hot(id_t) g_tᵀ‖² = Σ_{s,t: id_s = id_t} g_s·g_t``
+    for a table of ``rows`` rows read at ``ids (B, T)`` with cotangents
+    ``g (B, T, d)``: a Gram form when ``T² ≤ rows·d``, else the materialised
+    ``(rows, d)`` gradient."""
+    if ids.shape[1] ** 2 <= rows * g.shape[-1]:
+        same = ops.equal(ids[:, :, None], ids[:, None, :])
+        gram = ops.einsum("bsd,btd->bst", g, g)
+        return ops.sum(ops.where(same, gram, ops.zeros_like(gram)), axis=(1, 2))
+    table = ops.einsum("btv,btd->bvd", ops.one_hot(ids, rows, dtype=g.dtype), g)
+    return ops.sum(ops.square(table), axis=(1, 2))
+
+
+def table_weighted_sum(ids, g, c, rows):
+    """``Σ_i c_i ∇_i`` of that table: one scatter-add of the weighted cotangents."""
+    weighted = ops.reshape(g * ops.cast(c, g.dtype)[:, None, None], (-1, g.shape[-1]))
+    return ops.segment_sum(weighted, ops.reshape(ids, (-1,)), num_segments=rows)

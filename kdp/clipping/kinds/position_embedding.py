@@ -14,6 +14,7 @@ import sys
 from keras import ops
 
 from kdp.clipping.kinds.base import Kind, plain, register, sum_squares
+from kdp.clipping.kinds.embedding import table_sq_norms, table_weighted_sum
 
 
 def _type():
@@ -54,17 +55,9 @@ class PositionEmbeddingKind(Kind):
         rows, g, distinct = state
         if distinct:
             return sum_squares(g)
-        length, d = layer.position_embeddings.shape
-        if rows.shape[1] ** 2 <= length * d:
-            same = ops.equal(rows[:, :, None], rows[:, None, :])
-            gram = ops.einsum("bsd,btd->bst", g, g)
-            return ops.sum(ops.where(same, gram, ops.zeros_like(gram)), axis=(1, 2))
-        table = ops.einsum("btl,btd->bld", ops.one_hot(rows, length, dtype=g.dtype), g)
-        return ops.sum(ops.square(table), axis=(1, 2))
+        return table_sq_norms(rows, g, layer.position_embeddings.shape[0])
 
     def weighted_sums(self, layer, state, c):
         rows, g, _ = state
-        length, d = layer.position_embeddings.shape
-        weighted = ops.reshape(g * ops.cast(c, g.dtype)[:, None, None], (-1, d))
-        return {layer.position_embeddings.path: ops.segment_sum(weighted, ops.reshape(rows, (-1,)),
-                                                               num_segments=length)}
+        return {layer.position_embeddings.path: table_weighted_sum(rows, g, c,
+                                                                   layer.position_embeddings.shape[0])}
