@@ -14,7 +14,7 @@ The layers, lowest first; a module may import its own layer and those below:
    `kdp.training.sampling`), `kdp.callbacks`, `kdp.adaptive_clipping`,
    `kdp.audit`, `kdp.certificates`, `kdp.calibration`;
 5. the methods: `kdp.contrastive`, `kdp.dpcl`, `kdp.adamix`, `kdp.helmet`,
-   `kdp.tuning`, `kdp.recipes`;
+   `kdp.tuning`, `kdp.recipes`, `kdp.finetuning`;
 6. the public faces, which no module of kdp imports: `kdp.accounting`
    (lip-dp's namespace over `kdp.privacy` and `kdp.training.budget`),
    `kdp.ledger`, `kdp.cli`, `kdp.__main__` and `kdp` itself.
@@ -41,7 +41,8 @@ LAYERS = (
     ("kdp.training",),
     ("kdp.model", "kdp.pipeline", "kdp.callbacks", "kdp.adaptive_clipping", "kdp.audit",
      "kdp.certificates", "kdp.calibration"),
-    ("kdp.contrastive", "kdp.dpcl", "kdp.adamix", "kdp.helmet", "kdp.tuning", "kdp.recipes"),
+    ("kdp.contrastive", "kdp.dpcl", "kdp.adamix", "kdp.helmet", "kdp.tuning", "kdp.recipes",
+     "kdp.finetuning"),
     ("kdp.accounting", "kdp.ledger", "kdp.cli", "kdp.__main__", "kdp"),
 )
 
