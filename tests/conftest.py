@@ -47,6 +47,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "without_tensorflow: run again without TensorFlow")
 
 
+# first: pytest-xdist's own hook turns the ``xdist_group`` markers added here into
+# the groups of ``--dist loadgroup``; run after it, they were ignored
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     backend, without_tensorflow = keras.backend.backend(), os.environ.get(VARIABLE) == "1"
 

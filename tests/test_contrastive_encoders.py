@@ -32,7 +32,7 @@ def _bert(seed=0):
 
 
 @pytest.fixture(scope="module")
-@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+@functools.cache  # once per process, even if the fixture is set up again
 def bert():
     return _bert()
 
@@ -93,7 +93,7 @@ N_PAIRS, BATCH, CLIP = 16, 4, 20.0
 
 
 @pytest.fixture(scope="module")
-@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+@functools.cache  # once per process, even if the fixture is set up again
 def trainer(bert):
     """A Logit-DP trainer of the BERT encoder; its padded batches have 16 rows."""
     return ContrastiveTrainer(bert, DP_InfoNCE(1.0), "logit-dp", batch_size=BATCH, clip_norm=CLIP,
@@ -102,7 +102,7 @@ def trainer(bert):
 
 
 @pytest.fixture(scope="module")
-@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+@functools.cache  # once per process, even if the fixture is set up again
 def soundness(trainer):
     """Five pairs: the brute-force pair gradients, the engine's exact norms and the
     trainer's Logit-DP gradient (the five pairs padded to the trainer's 16 rows)."""

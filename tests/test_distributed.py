@@ -255,7 +255,7 @@ def _worker():
 # --- the tests (pytest process) --------------------------------------------------------
 
 
-@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+@functools.cache  # once per process, even if the fixture is set up again
 def _run_worker(backend):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     if backend == "jax":

@@ -301,7 +301,7 @@ def _tail(tmp_path, processes):
                      for r in range(processes))
 
 
-@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+@functools.cache  # once per process, even if the fixture is set up again
 def _trained(processes, tmp_root):
     tmp = tmp_root / f"train{processes}"
     tmp.mkdir()

@@ -91,7 +91,7 @@ def _rms(noise):
 STEPS = 120  # bias: 96 × 120 = 11 520 draws, relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
 
 
-@functools.cache  # once per process: pytest-xdist may set a module's fixtures up again
+@functools.cache  # once per process, even if the fixture is set up again
 def _noise_run(strategy):
     keras.utils.set_random_seed(1)
     model = _noise_model(strategy)
