@@ -405,10 +405,9 @@ def test_step_reports_the_loss_of_its_only_per_example_pass(monkeypatch):
                for i in range(BATCH)]
     np.testing.assert_allclose(reported, float(np.dot(w, by_hand)) / BATCH, rtol=1e-5)
 
-    # (b) Traced like the former step: the gradient pass, then the loss pass it ran
-    # besides (shapes only). The step's objective traces the model exactly as often
-    # as the gradient pass alone (JAX adds a shape-only trace); the counter sees the
-    # second pass.
+    # (b) The step's objective traces the model exactly as often as the per-example
+    # gradient pass alone (JAX adds a shape-only trace). Control: a gradient pass
+    # followed by a separate per-example loss pass; the counter sees the extra one.
     def forward(call, probe, xi, yi):
         return keras.ops.sum(SCCE.call(yi, call(xi))), []
 
