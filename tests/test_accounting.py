@@ -10,6 +10,7 @@ import math
 
 import dp_accounting
 import keras
+import numpy as np
 import pytest
 
 from kdp import accounting, layers, losses
@@ -156,6 +157,26 @@ def test_calibrate_noise_multiplier_inverts_compute_epsilon(accountant, target, 
     eps = accounting.compute_epsilon(sigma, q, steps, DELTA, accountant)
     assert eps <= target
     assert eps == pytest.approx(target, abs=1e-3)
+
+
+def test_a_calibration_is_searched_once_per_set_of_arguments(monkeypatch):
+    """The σ of arguments already calibrated is the searched one, without a new
+    search; any changed argument (here the extra events, a NumPy rate equal to a
+    float's is the same argument) searches again."""
+    searches = []
+    search = dp_accounting.calibrate_dp_mechanism
+    monkeypatch.setattr(dp_accounting, "calibrate_dp_mechanism",
+                        lambda *a, **k: searches.append(1) or search(*a, **k))
+    extra = [dp_accounting.GaussianDpEvent(20.0)]
+    args = (2.5, 0.0371, 97, DELTA)
+    first = accounting.calibrate_noise_multiplier(*args, extra_events=extra)
+    again = accounting.calibrate_noise_multiplier(2.5, np.float64(0.0371), 97, DELTA,
+                                                  extra_events=list(extra))
+    assert len(searches) == 1 and float(again) == float(first)
+    assert again.calibration is not first.calibration
+    other = accounting.calibrate_noise_multiplier(*args, extra_events=[dp_accounting.GaussianDpEvent(10.0)])
+    plain = accounting.calibrate_noise_multiplier(*args)
+    assert len(searches) == 3 and float(plain) < float(first) < float(other)
 
 
 # --- per-layer composition ------------------------------------------------------------

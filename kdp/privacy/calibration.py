@@ -1,11 +1,15 @@
 """Calibration of σ: the smallest noise multiplier whose steps fit a target ε."""
 
+import functools
+import json
+
 import dp_accounting
 
 from kdp._quiet import quiet_dp_accounting
 from kdp.privacy._checks import check_positive
 from kdp.privacy.accountants import ADD_OR_REMOVE_ONE, check_accountant, epsilon_of_events
 from kdp.privacy.events import training_event
+from kdp.privacy.serialization import event_from_config, event_to_config
 
 
 @quiet_dp_accounting()
@@ -20,12 +24,30 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
     `quantile_event` of adaptive clipping, or ``model.privacy_ledger.events()``).
 
     Where PLD is computed (``"pld"``, ``"tightest"``) the search is bracketed first
-    (`_pld_bracket`), which keeps PLD away from tiny σ, where it is slow.
+    (`_pld_bracket`), which keeps PLD away from tiny σ, where it is slow. The
+    search (some 15 ε, 1–5 s) runs once per set of arguments in a process: σ is a
+    function of them, so it is kept (`_smallest_sigma`).
     """
     check_positive(target_epsilon=target_epsilon)
     check_accountant(accountant)
+    extra = json.dumps([event_to_config(e) for e in extra_events], sort_keys=True)
+    sigma = _smallest_sigma(*map(_hashable, (target_epsilon, sampling_rate, steps, delta)),
+                            accountant, sampling, _hashable(steps_per_epoch), extra, neighboring)
+    return CalibratedNoiseMultiplier(sigma, target_epsilon, sampling_rate, steps, delta,
+                                     accountant, sampling, steps_per_epoch, neighboring)
 
-    extra_events = list(extra_events)
+
+def _hashable(value):
+    """A NumPy scalar or 0-d array as the Python number it holds; else ``value``."""
+    return value.item() if hasattr(value, "item") else value
+
+
+@functools.lru_cache(maxsize=256)
+def _smallest_sigma(target_epsilon, sampling_rate, steps, delta, accountant, sampling,
+                    steps_per_epoch, extra_events_json, neighboring):
+    """`calibrate_noise_multiplier`'s search, on hashable arguments (the extra
+    events as JSON, `event_to_config`)."""
+    extra_events = [event_from_config(c) for c in json.loads(extra_events_json)]
 
     def event(s):
         train = training_event(s, sampling_rate, steps, sampling, steps_per_epoch)
@@ -37,11 +59,9 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
         bracket = _pld_bracket(
             lambda s: epsilon_of_events([event(s)], delta, accountant, neighboring)
             <= target_epsilon)
-    sigma = dp_accounting.calibrate_dp_mechanism(
+    return dp_accounting.calibrate_dp_mechanism(
         lambda: _Composition(accountant, neighboring), event, target_epsilon, delta, bracket,
         tol=1e-4)
-    return CalibratedNoiseMultiplier(sigma, target_epsilon, sampling_rate, steps, delta,
-                                     accountant, sampling, steps_per_epoch, neighboring)
 
 
 class _Composition:
