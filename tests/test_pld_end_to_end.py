@@ -7,6 +7,7 @@ on the steps written out by hand (global noise: σ_eff = σ), never taken from
 kdp's calibration.
 """
 
+import functools
 import warnings
 
 import dp_accounting
@@ -41,6 +42,7 @@ def _data():
     return rng.normal(size=(N, D)).astype("float32"), rng.integers(0, K, N)
 
 
+@functools.cache  # a subsampled Gaussian's RDP takes dp-accounting ~0.3 s
 def _by_hand(sigma, steps, accountant="pld", delta=DELTA, interval=privacy.PLD_DISCRETIZATION):
     """ε of ``steps`` Poisson-subsampled Gaussians of multiplier σ, dp-accounting alone;
     PLD on kdp's documented grids (`PLD_DISCRETIZATION`, and below ε = 1 the
