@@ -48,7 +48,7 @@ import pytest
 
 from test_distributed import BATCH, D_IN, N, expected_stds, lipschitz_model
 
-STEPS = 120          # 96 × 120 bias draws: relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
+STEPS = 30           # 384 × 30 bias draws: relative s.e. of the std 0.66 % (3 % = 4.5 s.e.)
 CONTROL_STEPS = 30
 KILL_AT = 5          # the doomed process dies after this many completed steps
 
@@ -76,7 +76,7 @@ def build(seed=None, lr=1.0):
 
 def _worker():
     rank, count = int(os.environ["KDP_RANK"]), int(os.environ["KDP_PROCESSES"])
-    scenario, out = os.environ["KDP_SCENARIO"], os.environ["KDP_OUT"]
+    scenarios, out = os.environ["KDP_SCENARIO"].split("+"), os.environ["KDP_OUT"]
     backend = os.environ["KERAS_BACKEND"]
     if backend == "jax":
         import jax
@@ -151,7 +151,29 @@ def _worker():
                 "stds": list(model.noise_stds().values())}
 
     result = {"rank": rank, "rows": len(y)}
-    if scenario == "train":
+    if "source" in scenarios:  # each process reads its range of one memmap every process opens
+        full_x, full_y = data()
+        shared = np.memmap(os.environ["KDP_SOURCE"], "float32", "r", shape=full_x.shape)
+        lo, hi = bounds[rank], bounds[rank + 1]
+        with scope():
+            model = build(lr=0.01)
+        try:  # overlapping ranges: process 1 also reads process 0's last 5 records
+            model.fit(kdp.RecordSource(shared, labels=full_y, start=lo - 5 * (rank == 1), stop=hi),
+                      epochs=1, steps_per_epoch=2, verbose=0)
+            overlap = None
+        except ValueError as e:
+            overlap = str(e)
+        overlap_steps = model.privacy_ledger.training_steps()
+        draws.clear()
+        model.fit(kdp.RecordSource(shared, labels=full_y, start=lo, stop=hi), epochs=1,
+                  steps_per_epoch=12, verbose=0)
+        result["source"] = dict(
+            overlap=overlap, overlap_steps=overlap_steps, epsilon=model.privacy_spent()[0],
+            ledger=model.privacy_ledger.to_json(),
+            weights=[np.array(kdp.distribute.replica_values(v)[0]).ravel().tolist()
+                     for v in model.trainable_variables],
+            rate=draws[0][2], mean_records=float(np.mean([d[0] for d in draws])))
+    if "train" in scenarios:  # after "source": its JAX part ends the distribution
         result["noise"] = noise_run(STEPS)
         # negative control: each process samples its shard at its own rate b/n_p
         patched = kdp.training.sampling.PoissonBatches
@@ -181,27 +203,7 @@ def _worker():
                 result["no_distribution"] = None
             except ValueError as e:
                 result["no_distribution"] = str(e)
-    elif scenario == "source":  # each process reads its range of one memmap every process opens
-        full_x, full_y = data()
-        shared = np.memmap(os.environ["KDP_SOURCE"], "float32", "r", shape=full_x.shape)
-        lo, hi = bounds[rank], bounds[rank + 1]
-        with scope():
-            model = build(lr=0.01)
-        try:  # overlapping ranges: process 1 also reads process 0's last 5 records
-            model.fit(kdp.RecordSource(shared, labels=full_y, start=lo - 5 * (rank == 1), stop=hi),
-                      epochs=1, steps_per_epoch=2, verbose=0)
-            result["overlap"] = None
-        except ValueError as e:
-            result["overlap"] = str(e)
-        result["overlap_steps"] = model.privacy_ledger.training_steps()
-        draws.clear()
-        model.fit(kdp.RecordSource(shared, labels=full_y, start=lo, stop=hi), epochs=1,
-                  steps_per_epoch=12, verbose=0)
-        result.update(epsilon=model.privacy_spent()[0], ledger=model.privacy_ledger.to_json(),
-                      weights=[np.array(kdp.distribute.replica_values(v)[0]).ravel().tolist()
-                               for v in model.trainable_variables],
-                      rate=draws[0][2], mean_records=float(np.mean([d[0] for d in draws])))
-    elif scenario == "kill":
+    if "kill" in scenarios:
         doomed = int(os.environ["KDP_DOOMED"])
         done_path = os.path.join(out, f"done-{rank}.txt")
 
@@ -303,9 +305,14 @@ def _tail(tmp_path, processes):
 
 @functools.cache  # once per process, even if the fixture is set up again
 def _trained(processes, tmp_root):
+    """The "train" scenario on ``processes`` processes; on 2, the same processes run
+    the "source" scenario first (one launch fewer)."""
     tmp = tmp_root / f"train{processes}"
     tmp.mkdir()
-    results, codes = launch(processes, "train", tmp)
+    path = tmp / "x.f32"
+    np.memmap(path, "float32", "w+", shape=data()[0].shape)[:] = data()[0]
+    results, codes = launch(processes, "source+train" if processes == 2 else "train", tmp,
+                            source=path)
     assert codes == [0] * processes and len(results) == processes, _tail(tmp, processes)
     return processes, [results[r] for r in range(processes)]
 
@@ -608,17 +615,13 @@ def test_overlapping_shards_are_refused_by_fit_before_any_step(monkeypatch):
     assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables))
 
 
-def test_processes_reading_ranges_of_one_source_train_one_model(tmp_path):
+def test_processes_reading_ranges_of_one_source_train_one_model(tmp_path_factory):
     """Two processes, each reading only its range of one memmap: overlapping
     ranges are refused on both before any step; the partition trains one model
     (identical weights and ledgers) at the global rate b/N, with the ε of a
     single process on N records."""
     x, _ = data()
-    path = tmp_path / "x.f32"
-    np.memmap(path, "float32", "w+", shape=x.shape)[:] = x
-    results, codes = launch(2, "source", tmp_path, source=path)
-    assert codes == [0, 0] and len(results) == 2, _tail(tmp_path, 2)
-    first, second = results[0], results[1]
+    first, second = (r["source"] for r in _trained(2, tmp_path_factory.getbasetemp())[1])
     bounds = shard_bounds(2)
     assert first["overlap"] == second["overlap"]
     assert f"processes 0 and 1 both read records [{bounds[1] - 5}, {bounds[1]})" in first["overlap"]
