@@ -309,10 +309,12 @@ def _trained(processes, tmp_root):
     the "source" scenario first (one launch fewer)."""
     tmp = tmp_root / f"train{processes}"
     tmp.mkdir()
-    path = tmp / "x.f32"
-    np.memmap(path, "float32", "w+", shape=data()[0].shape)[:] = data()[0]
-    results, codes = launch(processes, "source+train" if processes == 2 else "train", tmp,
-                            source=path)
+    if processes != 2:
+        results, codes = launch(processes, "train", tmp)
+    else:
+        x = data()[0]
+        np.memmap(tmp / "x.f32", "float32", "w+", shape=x.shape)[:] = x
+        results, codes = launch(processes, "source+train", tmp, source=tmp / "x.f32")
     assert codes == [0] * processes and len(results) == processes, _tail(tmp, processes)
     return processes, [results[r] for r in range(processes)]
 
