@@ -19,9 +19,12 @@ JAX compiles every program with XLA, and compiling is most of a JAX test's time
 (`JAX_SETTINGS`): the tiers run with XLA's cheaper optimisation (tests check
 values, not speed) and share one persistent compilation cache, so the program a
 test compiles again (a model of the same shape fitted anew, the same step in
-another worker, a notebook or a launched process) is read back, not rebuilt. The
-cache lives in a temporary folder removed at the end, or in ``$JAX_COMPILATION_CACHE_DIR``
-if set (then kept).
+another worker, a notebook or a launched process) is read back, not rebuilt.
+Accounting (ε, σ's calibration) is a fifth of a training test's time on either
+backend, the same in both tiers: they share kdp's store of accounting results
+(``KDP_ACCOUNTING_CACHE_DIR``, `kdp.privacy.stored`). Both live in a temporary
+folder removed at the end, or in the folder that variable names if set (then
+kept).
 
 ``--workers`` (default 2, or 1 on a one-core machine) runs each tier on that
 many pytest-xdist processes (``--dist loadgroup``: a module whose shared
@@ -51,6 +54,8 @@ TIERS = (
 #: how the tiers run JAX (environment variables read by `jax.config`)
 JAX_SETTINGS = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+#: the caches every process of the run shares: variable -> its folder's name
+CACHES = {"JAX_COMPILATION_CACHE_DIR": "jax", "KDP_ACCOUNTING_CACHE_DIR": "accounting"}
 
 
 def main(argv=None):
@@ -61,13 +66,13 @@ def main(argv=None):
     args, extra = parser.parse_known_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     results = []
-    with tempfile.TemporaryDirectory(prefix="kdp-jax-cache-") as cache:
-        jax_env = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", cache),
-                   **JAX_SETTINGS}
+    with tempfile.TemporaryDirectory(prefix="kdp-test-caches-") as caches:
+        shared = {**JAX_SETTINGS, **{variable: os.environ.get(variable) or os.path.join(caches, name)
+                                     for variable, name in CACHES.items()}}
         for name, env, options in TIERS:
             if args.tier and name not in args.tier:
                 continue
-            results.append(_run_tier(name, {**jax_env, **env}, options, args.workers, extra, root))
+            results.append(_run_tier(name, {**shared, **env}, options, args.workers, extra, root))
     print("\ntier                       result   minutes")
     for name, code, seconds in results:
         print(f"{name:<26} {'passed' if code == 0 else 'FAILED':<8} {seconds / 60:7.1f}")

@@ -6,6 +6,7 @@ written out below with `math.erf`, or read from the experimental settings of Bé
 """
 
 import functools
+import json
 import math
 
 import dp_accounting
@@ -16,7 +17,7 @@ import pytest
 from kdp import accounting, layers, losses
 from kdp.model import DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
-from kdp.privacy import PLD_DISCRETIZATION, PLD_MIN_NOISE, PLD_RESOLUTION
+from kdp.privacy import PLD_DISCRETIZATION, PLD_MIN_NOISE, PLD_RESOLUTION, accountants, calibration, stored
 
 DELTA = 1e-5
 
@@ -163,10 +164,8 @@ def test_a_calibration_is_searched_once_per_set_of_arguments(monkeypatch):
     """The σ of arguments already calibrated is the searched one, without a new
     search; any changed argument (here the extra events, a NumPy rate equal to a
     float's is the same argument) searches again."""
-    searches = []
-    search = dp_accounting.calibrate_dp_mechanism
-    monkeypatch.setattr(dp_accounting, "calibrate_dp_mechanism",
-                        lambda *a, **k: searches.append(1) or search(*a, **k))
+    monkeypatch.delenv(stored.VARIABLE, raising=False)  # counts the searches of this process
+    searches = _counted(monkeypatch, dp_accounting, "calibrate_dp_mechanism")
     extra = [dp_accounting.GaussianDpEvent(20.0)]
     args = (2.5, 0.0371, 97, DELTA)
     first = accounting.calibrate_noise_multiplier(*args, extra_events=extra)
@@ -177,6 +176,80 @@ def test_a_calibration_is_searched_once_per_set_of_arguments(monkeypatch):
     other = accounting.calibrate_noise_multiplier(*args, extra_events=[dp_accounting.GaussianDpEvent(10.0)])
     plain = accounting.calibrate_noise_multiplier(*args)
     assert len(searches) == 3 and float(plain) < float(first) < float(other)
+
+
+def _counted(monkeypatch, owner, name):
+    """The list to which every later call of ``owner.name`` appends its arguments."""
+    calls, function = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(a) or function(*a, **k))
+    return calls
+
+
+def _forget_in_memory():
+    """Empty the per-process caches of accounting, as a new process starts."""
+    for cached in (calibration._smallest_sigma, accountants._pld_epsilon_of_config,
+                   accountants._unit_rdp_cached, accountants._unit_rdp_of_config,
+                   accountants._poisson_gaussian_pld, accountants._unit_poisson_gaussian_pld):
+        cached.cache_clear()
+
+
+@pytest.mark.parametrize("accountant", ["tightest", "rdp"])
+def test_a_stored_calibration_and_epsilon_are_read_back_exactly(accountant, monkeypatch, tmp_path):
+    """With `KDP_ACCOUNTING_CACHE_DIR`, a process that finds the σ and ε another
+    one computed reads them (no search, no accountant: the PLDs, RDP curves and σ
+    come from the folder), bit for bit; any other argument computes afresh; an
+    unset variable writes nothing."""
+    args = (1.7, 0.0213, 311, DELTA, accountant)
+    monkeypatch.delenv(stored.VARIABLE, raising=False)
+    _forget_in_memory()
+    sigma = accounting.calibrate_noise_multiplier(*args)
+    epsilon = accounting.compute_epsilon(float(sigma), *args[1:])
+    assert not any(tmp_path.iterdir())
+
+    monkeypatch.setenv(stored.VARIABLE, str(tmp_path))
+    for fresh_process in range(2):  # the first one writes, the second reads
+        _forget_in_memory()
+        accounting.compute_epsilon.cache_clear()
+        searches = _counted(monkeypatch, dp_accounting, "calibrate_dp_mechanism")
+        computed = (_counted(monkeypatch, accountants, "_pld_on_grid"),
+                    _counted(monkeypatch, dp_accounting.rdp.RdpAccountant, "compose"))
+        again = accounting.calibrate_noise_multiplier(*args)
+        assert float(again) == float(sigma) and again.calibration["accountant"] == accountant
+        assert accounting.compute_epsilon(float(sigma), *args[1:]) == epsilon
+        assert bool(searches) == any(computed) == (fresh_process == 0)
+    entries = len(list(tmp_path.iterdir()))
+    other = accounting.calibrate_noise_multiplier(1.7, 0.0213, 311, DELTA / 10, accountant)
+    assert searches and float(other) > float(sigma) and len(list(tmp_path.iterdir())) > entries
+
+
+def test_a_stored_entry_is_used_only_under_its_own_key(monkeypatch, tmp_path):
+    """An entry is keyed by the function, its arguments and the code's fingerprint:
+    another δ, or the same arguments after a change of kdp's accounting code or
+    of dp-accounting's version, is computed afresh, and an entry whose stored key
+    differs from its file's (copied over another, corrupted) is not read. Control:
+    the value in an entry is what is returned, so a forged one with the right key
+    would be (the folder is trusted as the code is)."""
+    monkeypatch.setenv(stored.VARIABLE, str(tmp_path))
+    _forget_in_memory()
+    event = accounting.training_event(1.3, 0.01, 500)
+    first = accounting.epsilon_of_events([event], DELTA, "pld")
+    (path,) = tmp_path.iterdir()
+    entry = json.loads(path.read_text())
+
+    def epsilon(delta=DELTA):
+        _forget_in_memory()
+        return accounting.epsilon_of_events([event], delta, "pld")
+
+    path.write_text(json.dumps({**entry, "value": 123.0}))  # the control: a forged value ...
+    assert epsilon() == 123.0
+    path.write_text(json.dumps({**entry, "key": entry["key"].replace("500", "501"), "value": 123.0}))
+    assert epsilon() == first  # ... is refused under another key,
+    path.write_text("{not json")
+    assert epsilon() == first  # a corrupted entry is recomputed
+    assert epsilon(DELTA / 10) > first
+    monkeypatch.setattr(stored, "fingerprint", lambda: "another version of the code")
+    path.write_text(json.dumps({**entry, "value": 123.0}))
+    assert epsilon() == first
 
 
 # --- per-layer composition ------------------------------------------------------------

@@ -7,7 +7,9 @@
   relation (add/remove-one by default, or replace-one), and the events PLD
   cannot account;
 * `calibration`: the smallest σ for a target ε;
-* `limits`: how many more releases fit a budget.
+* `limits`: how many more releases fit a budget;
+* `stored`: ε, RDP curves and calibrated σ kept on disk, shared between processes,
+  where ``KDP_ACCOUNTING_CACHE_DIR`` names a folder.
 
 A model's side (its mechanism, planned releases, epochs) is `kdp.training.budget`;
 `kdp.accounting` is the public face of both.

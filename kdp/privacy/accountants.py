@@ -22,6 +22,7 @@ from kdp._quiet import quiet_dp_accounting
 from kdp.privacy._checks import check_delta
 from kdp.privacy.events import training_event
 from kdp.privacy.serialization import event_from_config, event_to_config
+from kdp.privacy.stored import stored
 
 ACCOUNTANTS = ("tightest", "pld", "rdp")
 #: how statements and reports name each accountant
@@ -142,29 +143,35 @@ def _unit_rdp(event, neighboring):
     """The RDP curve (at `rdp_orders`) of one ``event``, cached: the subsampled
     Gaussian costs ~0.2 s per evaluation and training asks for ε of the same
     step at every epoch. Events holding lists (a `RepeatAndSelectDpEvent` of a
-    composition) are cached by their JSON form."""
+    composition) are cached by their JSON form only."""
     try:
         return _unit_rdp_cached(event, neighboring)
     except TypeError:  # unhashable: a list inside
-        return _unit_rdp_of_config(json.dumps(event_to_config(event), sort_keys=True), neighboring)
+        return _unit_rdp_of_config(_config_json(event), neighboring)
 
 
 @functools.lru_cache(maxsize=256)
 def _unit_rdp_cached(event, neighboring):
-    return _compute_unit_rdp(event, neighboring)
+    return _unit_rdp_of_config(_config_json(event), neighboring)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _unit_rdp_of_config(config_json, neighboring):
-    return _compute_unit_rdp(event_from_config(json.loads(config_json)), neighboring)
-
-
-def _compute_unit_rdp(event, neighboring):
-    acc = make_accountant("rdp", neighboring)
-    acc.compose(event)
-    rdp = np.array(acc._rdp, dtype=float)
+    rdp = np.array(_unit_rdp_values(config_json, neighboring), dtype=float)
     rdp.setflags(write=False)
     return rdp
+
+
+@stored
+def _unit_rdp_values(config_json, neighboring):
+    """The curve as a list (`stored` on disk where asked)."""
+    acc = make_accountant("rdp", neighboring)
+    acc.compose(event_from_config(json.loads(config_json)))
+    return [float(value) for value in acc._rdp]
+
+
+def _config_json(event):
+    return json.dumps(event_to_config(event), sort_keys=True)
 
 
 @quiet_dp_accounting()
@@ -244,14 +251,16 @@ def _pld_epsilon(events, delta, neighboring):
             "sampling without replacement, or a Gaussian release with a noise "
             f"multiplier below PLD_MIN_NOISE = {PLD_MIN_NOISE}): use accountant='rdp'")
     configs = json.dumps([event_to_config(event) for event in events], sort_keys=True)
-    return _pld_epsilon_of_config(configs, delta, neighboring)
+    return _pld_epsilon_of_config(configs, float(delta), neighboring)
 
 
 @functools.lru_cache(maxsize=256)
+@stored
 def _pld_epsilon_of_config(configs, delta, neighboring):
     """On `PLD_DISCRETIZATION`, then on the finer `pld_interval` of that ε if there
     is one. Cached by the events' JSON form: training asks for ε of the same ledger
-    several times (the last step's logs, the epoch's, a callback's, the statement)."""
+    several times (the last step's logs, the epoch's, a callback's, the statement);
+    `stored` on disk where asked."""
     epsilon = _pld_on_grid(configs, delta, neighboring, PLD_DISCRETIZATION)
     interval = pld_interval(epsilon)
     if interval < PLD_DISCRETIZATION:

@@ -10,6 +10,7 @@ from kdp.privacy._checks import check_positive
 from kdp.privacy.accountants import ADD_OR_REMOVE_ONE, check_accountant, epsilon_of_events
 from kdp.privacy.events import training_event
 from kdp.privacy.serialization import event_from_config, event_to_config
+from kdp.privacy.stored import stored
 
 
 @quiet_dp_accounting()
@@ -26,7 +27,8 @@ def calibrate_noise_multiplier(target_epsilon, sampling_rate, steps, delta, acco
     Where PLD is computed (``"pld"``, ``"tightest"``) the search is bracketed first
     (`_pld_bracket`), which keeps PLD away from tiny σ, where it is slow. The
     search (some 15 ε, 1–5 s) runs once per set of arguments in a process: σ is a
-    function of them, so it is kept (`_smallest_sigma`).
+    function of them, so it is kept (`_smallest_sigma`), and on disk where
+    ``KDP_ACCOUNTING_CACHE_DIR`` names a folder (`kdp.privacy.stored`).
     """
     check_positive(target_epsilon=target_epsilon)
     check_accountant(accountant)
@@ -43,6 +45,7 @@ def _hashable(value):
 
 
 @functools.lru_cache(maxsize=256)
+@stored
 def _smallest_sigma(target_epsilon, sampling_rate, steps, delta, accountant, sampling,
                     steps_per_epoch, extra_events_json, neighboring):
     """`calibrate_noise_multiplier`'s search, on hashable arguments (the extra
