@@ -1,15 +1,15 @@
 """An opt-in store on disk of what accounting computes, shared between processes.
 
 A PLD ε, an RDP curve and a calibrated σ are pure functions of their arguments,
-and each costs 0.05–5 s (a σ found at a small target ε: tens of seconds). Keras
-and kdp keep them in memory for the life of a process; with
+and each costs 0.05–5 s (a σ found at a small target ε: tens of seconds). kdp
+keeps them in memory for the life of a process; with
 ``KDP_ACCOUNTING_CACHE_DIR`` set to a folder, kdp also keeps them there, so a
 script run again, a notebook restarted, or the other processes of a launch read
 them back instead of computing them. Unset (the default), nothing is written.
 
 An entry is found by a SHA-256 of what it was computed from: the function's
 name, its arguments, and a fingerprint of the code that computes it (kdp's
-`kdp.privacy` sources and the dp-accounting and NumPy versions), so a change to
+`kdp.privacy` sources and the dp-accounting, NumPy and SciPy versions), so a change to
 any of them computes afresh. The entry repeats that key, and one whose key
 differs or that cannot be read is computed again and rewritten. The values are
 stored as JSON, exactly (a float's shortest repr round-trips). The folder is
@@ -60,11 +60,12 @@ def stored(function):
 @functools.cache
 def fingerprint():
     """What the stored values depend on besides their arguments: the source of
-    every module of `kdp.privacy` and the dp-accounting and NumPy versions."""
+    every module of `kdp.privacy` and the dp-accounting, NumPy and SciPy (which
+    dp-accounting computes with) versions."""
     digest = hashlib.sha256()
     for source in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    for package in ("dp-accounting", "numpy"):
+    for package in ("dp-accounting", "numpy", "scipy"):
         digest.update(f"{package}=={importlib.metadata.version(package)}\0".encode())
     return digest.hexdigest()
 
