@@ -6,6 +6,7 @@ alone divides by the expected batch size ``b`` (the private objective).
 """
 
 import re
+import time
 import warnings
 
 import keras
@@ -99,6 +100,25 @@ def test_progress_bar_shows_epsilon_per_step_and_counts_the_steps_a_budget_stop_
     shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # without colours
     assert re.findall(r"(\d+)/(\d+)\b", shown)[-1] == ("2", "2")  # Keras alone ends the bar at 4/4
     assert f"epsilon: {eps[1]:.4f}" in shown
+
+
+@pytest.mark.parametrize("bar", ["kdp", "keras"])
+def test_the_progress_bar_never_goes_back_when_batch_ends_come_out_of_order(bar, capsys):
+    """Keras runs asynchronous batch ends on a pool of threads: they may arrive out of
+    order. kdp's bar skips a batch end older than the one shown. Control: Keras' own
+    bar, given the same order, shows step 3 and then step 1."""
+    from kdp.training.fit_callbacks import ProgbarLogger
+
+    logger = ProgbarLogger() if bar == "kdp" else keras.callbacks.ProgbarLogger()
+    logger.set_params({"verbose": 1, "epochs": 1, "steps": 6})
+    logger.on_train_begin()
+    logger.on_epoch_begin(0)
+    for batch in (2, 0, 4, 1, 5):
+        time.sleep(0.06)  # Keras' bar redraws at most every 0.05 s
+        logger.on_train_batch_end(batch, {"loss": float(batch)})
+    shown = [int(k) for k in re.findall(r"(\d+)/6\b", re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out))]
+    assert shown[0] == 3 and shown[-1] == 6
+    assert (shown == sorted(shown)) == (bar == "kdp"), shown
 
 
 def test_epsilon_per_step_is_computed_only_when_the_step_logs_are_read(monkeypatch):

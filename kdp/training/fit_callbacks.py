@@ -123,11 +123,25 @@ class GateCallback(keras.callbacks.Callback):
 
 
 class ProgbarLogger(keras.callbacks.ProgbarLogger):
-    """Keras' progress bar, except that an epoch cut short by the privacy budget
-    ends at the number of steps that ran (Keras would show the full epoch)."""
+    """Keras' progress bar, except that:
+
+    * it never goes back: Keras runs asynchronous batch ends on a pool of
+      threads, in any order (the bar would show step 3, then step 1); a batch
+      end older than the one shown is skipped, and one is drawn at a time;
+    * an epoch cut short by the privacy budget ends at the number of steps that
+      ran (Keras would show the full epoch)."""
 
     #: Keras dispatches its own progress bar's batch ends asynchronously too
     async_safe = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._drawing = threading.Lock()
+
+    def _update_progbar(self, batch, logs=None):
+        with self._drawing:
+            if batch + 1 > self.seen:
+                super()._update_progbar(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if getattr(self._model, "_budget_stop", False) and self.progbar is not None:
