@@ -30,6 +30,16 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(scope="session")
+def forks():
+    """This worker's forking parent (`tests/_forks.py`): started at first use."""
+    from _forks import Forks
+
+    forks = Forks()
+    yield forks
+    forks.close()
+
+
 #: test modules whose results do not depend on the Keras backend (pure accounting,
 #: static checks of files): `tests/run_suite.py` runs them once
 BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_stored.py",

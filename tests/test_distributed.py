@@ -4,7 +4,8 @@ JAX: `keras.distribution.DataParallel` over ``--xla_force_host_platform_device_c
 TensorFlow: `tf.distribute.MirroredStrategy` over 4 logical CPU devices.
 
 Device counts are fixed when the backend initialises, so the measurements run
-in a subprocess (this file run as a script, ``--worker``) that prints one JSON
+in a process of their own (this file run as a script, ``--worker``, forked from
+one that has imported Keras and kdp: `tests/_forks.py`) that prints one JSON
 line; the tests below check it, on the current ``KERAS_BACKEND``. What is
 measured, through the real `fit` path (Poisson batches, Keras' compiled
 ``train_step``, the engine's gradient reduction):
@@ -35,7 +36,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -74,7 +74,7 @@ def lipschitz_model(seed, batch=BATCH, lr=1.0):
     return model
 
 
-# --- the worker (runs in a subprocess with 4 devices) --------------------------------
+# --- the worker (a process of its own, with 4 devices) --------------------------------
 
 
 def _worker():
@@ -257,23 +257,25 @@ def _worker():
 
 
 @functools.cache  # once per process, even if the fixture is set up again
-def _run_worker(backend):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+def _run_worker(forks, backend, tmp_path):
+    env = dict(forks.env, KERAS_BACKEND=backend)
     if backend == "jax":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={R}").strip()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    line = [t for t in proc.stdout.splitlines() if t.startswith("KDP_RESULT ")][-1]
+    code, output = forks.run([os.path.abspath(__file__), "--worker"], tmp_path, tmp_path / "worker.log",
+                             env=env, timeout=600)
+    assert code == 0, output[-6000:]
+    line = [t for t in output.splitlines() if t.startswith("KDP_RESULT ")][-1]
     return json.loads(line[len("KDP_RESULT "):])
 
 
 @pytest.fixture(scope="module")
-def result():
+def result(forks, tmp_path_factory):
     """The worker's measurements on the current backend."""
     import keras
 
-    return _run_worker(keras.backend.backend())
+    folder = tmp_path_factory.getbasetemp() / "distributed"
+    folder.mkdir(exist_ok=True)
+    return _run_worker(forks, keras.backend.backend(), folder)
 
 
 def _within(measured, expected, tol=0.03):

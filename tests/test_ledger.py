@@ -5,13 +5,11 @@ The ledger survives saving (``.keras``, weights checkpoints), resuming, second
 from its `BackupAndRestore` checkpoint); a budget set once is enforced over every
 `fit`; the noise is unpredictable unless ``reproducible=True``.
 
-Runs on whichever ``KERAS_BACKEND`` is set (the subprocess inherits it).
+Runs on whichever ``KERAS_BACKEND`` is set (the training process it kills inherits it).
 """
 
 import json
 import os
-import subprocess
-import sys
 
 import h5py
 import keras
@@ -64,13 +62,15 @@ def _eps(steps, sigma=SIGMA):
 
 # --- crash safety ------------------------------------------------------------------------
 
-def _run_script(workdir, *args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, os.path.join(HERE, "ledger_fault_run.py"), str(workdir), *args],
-                          env=env, capture_output=True, text=True, timeout=240)
+def _run_script(forks, workdir, *args):
+    """`ledger_fault_run.py` in a process of its own (`tests/_forks.py`): its exit
+    code (-9 when it killed itself) and output."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return forks.run([os.path.join(HERE, "ledger_fault_run.py"), workdir, *args], workdir,
+                     workdir.parent / f"{workdir.name}-{len(args)}.log", timeout=240)
 
 
-def test_sigkill_at_a_random_step_then_restart_counts_every_step(tmp_path):
+def test_sigkill_at_a_random_step_then_restart_counts_every_step(tmp_path, forks):
     import ledger_fault_run as script  # tests/ is on sys.path under pytest
 
     epochs, spe = script.EPOCHS, script.STEPS_PER_EPOCH
@@ -83,8 +83,8 @@ def test_sigkill_at_a_random_step_then_restart_counts_every_step(tmp_path):
     clean = script.run(str(tmp_path / "clean"))  # the same run, uninterrupted (in this process)
     assert clean["steps"] == total
 
-    killed = _run_script(tmp_path / "crash", "--kill-at", str(kill_at), "--kill-when", when)
-    assert killed.returncode == -9, (info, killed.returncode, killed.stderr[-3000:])
+    code, output = _run_script(forks, tmp_path / "crash", "--kill-at", kill_at, "--kill-when", when)
+    assert code == -9, (info, code, output[-3000:])
     assert not (tmp_path / "crash" / "result.json").exists()
     journal = LedgerJournal(tmp_path / "crash" / "backup" / PrivacyJournal.FILENAME).read()
     # The gate records a step just before it runs (inside the train function): a
@@ -92,8 +92,8 @@ def test_sigkill_at_a_random_step_then_restart_counts_every_step(tmp_path):
     ran = kill_at + 1 if when == "end" else kill_at
     assert journal.training_steps() == ran, info
 
-    restarted = _run_script(tmp_path / "crash")
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    code, output = _run_script(forks, tmp_path / "crash")
+    assert code == 0, output[-3000:]
     result = json.loads((tmp_path / "crash" / "result.json").read_text())
     saved_epochs = kill_at // spe  # BackupAndRestore saved these, then restarts the next epoch
     expected_steps = ran + (epochs - saved_epochs) * spe

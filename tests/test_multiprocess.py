@@ -3,8 +3,9 @@
 JAX: ``keras.distribution.initialize`` (CPU collectives over Gloo) and
 `keras.distribution.DataParallel`; TensorFlow: `MultiWorkerMirroredStrategy`
 with a ``TF_CONFIG`` naming 127.0.0.1 ports. This file, run as a script with
-``--worker``, is one process; each test starts 2 or 3 of them and reads the
-JSON each one writes. Only the current ``KERAS_BACKEND``'s engine is run.
+``--worker``, is one process; each test starts 2 or 3 of them (forks of a process
+that has imported Keras and kdp: `tests/_forks.py`) and reads the JSON each one
+writes. Only the current ``KERAS_BACKEND``'s engine is run.
 
 Each process holds its own, uneven shard of N = 256 records. Measured, through
 the real `fit` path:
@@ -37,7 +38,6 @@ import math
 import os
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -260,15 +260,15 @@ def _free_ports(count):
     return ports
 
 
-def launch(processes, scenario, tmp_path, doomed=-1, timeout=420, script=None, source=""):
-    """Start ``processes`` workers (this file, or ``script`` run in ``tmp_path``);
-    ``{rank: result}`` of those that wrote one, and the return codes."""
+def launch(forks, processes, scenario, tmp_path, doomed=-1, timeout=420, script=None, source=""):
+    """Start ``processes`` workers (this file, or ``script`` run in ``tmp_path``), as
+    forks (`tests/_forks.py`); ``{rank: result}`` of those that wrote one, and the
+    return codes."""
     ports = _free_ports(processes)
-    procs, logs = [], []
-    command = [sys.executable, os.path.abspath(__file__), "--worker"] if script is None else [
-        sys.executable, str(script)]
+    argv = [os.path.abspath(__file__), "--worker"] if script is None else [str(script)]
+    pids = []
     for rank in range(processes):
-        env = dict(os.environ, KDP_RANK=str(rank), KDP_PROCESSES=str(processes),
+        env = dict(forks.env, KDP_RANK=str(rank), KDP_PROCESSES=str(processes),
                    KDP_SCENARIO=scenario, KDP_OUT=str(tmp_path), KDP_PORT=str(ports[0]),
                    KDP_COORDINATOR=f"127.0.0.1:{ports[0]}",
                    KDP_DOOMED=str(doomed), KDP_SOURCE=str(source), TF_CPP_MIN_LOG_LEVEL="3",
@@ -276,20 +276,14 @@ def launch(processes, scenario, tmp_path, doomed=-1, timeout=420, script=None, s
         env.pop("XLA_FLAGS", None)
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                        "task": {"type": "worker", "index": rank}})
-        log = open(tmp_path / f"log-{rank}.txt", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=tmp_path))
-    deadline = time.time() + timeout
+        pids.append(forks.start(argv, tmp_path, tmp_path / f"log-{rank}.txt", env=env))
+    deadline = time.monotonic() + timeout
     codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1, deadline - time.time())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append("timeout")
-    for log in logs:
-        log.close()
+    for pid in pids:
+        code = forks.wait(pid, max(1, deadline - time.monotonic()))
+        if code is None:
+            forks.kill(pid)
+        codes.append("timeout" if code is None else code)
     results = {}
     for rank in range(processes):
         path = tmp_path / f"result-{rank}.json"
@@ -304,24 +298,24 @@ def _tail(tmp_path, processes):
 
 
 @functools.cache  # once per process, even if the fixture is set up again
-def _trained(processes, tmp_root):
+def _trained(forks, processes, tmp_root):
     """The "train" scenario on ``processes`` processes; on 2, the same processes run
     the "source" scenario first (one launch fewer)."""
     tmp = tmp_root / f"train{processes}"
     tmp.mkdir()
     if processes != 2:
-        results, codes = launch(processes, "train", tmp)
+        results, codes = launch(forks, processes, "train", tmp)
     else:
         x = data()[0]
         np.memmap(tmp / "x.f32", "float32", "w+", shape=x.shape)[:] = x
-        results, codes = launch(processes, "source+train", tmp, source=tmp / "x.f32")
+        results, codes = launch(forks, processes, "source+train", tmp, source=tmp / "x.f32")
     assert codes == [0] * processes and len(results) == processes, _tail(tmp, processes)
     return processes, [results[r] for r in range(processes)]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"{p}proc")
-def trained(request, tmp_path_factory):
-    return _trained(request.param, tmp_path_factory.getbasetemp())
+def trained(request, tmp_path_factory, forks):
+    return _trained(forks, request.param, tmp_path_factory.getbasetemp())
 
 
 def _within(measured, expected, tol=0.03):
@@ -418,10 +412,10 @@ def test_jax_processes_without_a_spanning_distribution_are_refused(trained):
 
 
 @pytest.mark.parametrize("processes,doomed", [(2, 1), (3, 0)], ids=["2proc-last-dies", "3proc-writer-dies"])
-def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path):
+def test_a_dead_process_leaves_no_step_unaccounted(processes, doomed, tmp_path, forks):
     from kdp.training.ledger import LedgerJournal
 
-    results, codes = launch(processes, "kill", tmp_path, doomed=doomed)
+    results, codes = launch(forks, processes, "kill", tmp_path, doomed=doomed)
     assert codes[doomed] == 3, _tail(tmp_path, processes)
     survivors = [r for r in range(processes) if r != doomed]
     for r in survivors:
@@ -617,13 +611,13 @@ def test_overlapping_shards_are_refused_by_fit_before_any_step(monkeypatch):
     assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables))
 
 
-def test_processes_reading_ranges_of_one_source_train_one_model(tmp_path_factory):
+def test_processes_reading_ranges_of_one_source_train_one_model(tmp_path_factory, forks):
     """Two processes, each reading only its range of one memmap: overlapping
     ranges are refused on both before any step; the partition trains one model
     (identical weights and ledgers) at the global rate b/N, with the ε of a
     single process on N records."""
     x, _ = data()
-    first, second = (r["source"] for r in _trained(2, tmp_path_factory.getbasetemp())[1])
+    first, second = (r["source"] for r in _trained(forks, 2, tmp_path_factory.getbasetemp())[1])
     bounds = shard_bounds(2)
     assert first["overlap"] == second["overlap"]
     assert f"processes 0 and 1 both read records [{bounds[1] - 5}, {bounds[1]})" in first["overlap"]
@@ -761,13 +755,13 @@ def test_readme_script_refuses_a_missing_or_wrong_rank(monkeypatch):
             exec(script, {"__name__": "__main__"})
 
 
-def test_readme_script_on_two_processes(tmp_path):
+def test_readme_script_on_two_processes(tmp_path, forks):
     """README, "Training on several machines": its script, launched as the
     README says, trains on 2 processes with the same ε, within the target."""
     from kdp.training.ledger import LedgerJournal
 
     (tmp_path / "train.py").write_text(_readme_script())
-    _, codes = launch(2, "readme", tmp_path, script=tmp_path / "train.py")
+    _, codes = launch(forks, 2, "readme", tmp_path, script=tmp_path / "train.py")
     assert codes == [0, 0], _tail(tmp_path, 2)
     lines = [re.search(r"process (\d) of 2: epsilon ([0-9.]+)", (tmp_path / f"log-{r}.txt").read_text())
              for r in range(2)]

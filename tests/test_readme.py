@@ -6,12 +6,9 @@ heading above the block and the block's first line). It runs alone in a fresh
 process, in an empty working directory, with only its own imports and data, as
 a user pasting it would: no state leaks between blocks (backend,
 `keras.distribution`, the seed), and the device count can be set before the
-backend starts. The process is forked from a parent that has imported kdp and
-Keras and nothing else (this file run as a script, ``--serve``; one per pytest
-worker, `Forks`): importing them is 9 s on JAX and 14 s on TensorFlow, more
-than most blocks take to run, and it is the same for every block. The parent
-starts no backend (neither JAX's client nor TensorFlow's runtime exists before
-the fork), so the child starts it as a fresh process does. The parent imports
+backend starts: this file run as a script, ``--block FILE LINE``, in a process
+forked from one that has imported Keras and kdp (`tests/_forks.py`: it saves
+their import and teardown, more than most blocks take to run), which imports
 this checkout's kdp (the repository root comes first on its ``PYTHONPATH``),
 installed or not. Blocks in other languages (bash, text diagrams) are not run.
 
@@ -45,14 +42,9 @@ Tracebacks give the page's own line numbers.
 
 import functools
 import inspect
-import json
 import os
 import re
-import select
-import subprocess
 import sys
-import threading
-import traceback
 from pathlib import Path
 from typing import NamedTuple
 
@@ -115,8 +107,7 @@ def pages():
 
 
 def page_blocks(page):
-    path = page.relative_to(ROOT).as_posix() if page.is_relative_to(ROOT) else str(page)
-    return python_blocks(page.read_text(encoding="utf-8"), path)
+    return python_blocks(page.read_text(encoding="utf-8"), page.relative_to(ROOT).as_posix())
 
 
 def all_blocks():
@@ -149,56 +140,6 @@ def _virtual_devices():
             cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES)
 
 
-def _serve():
-    """The forking parent: import kdp and Keras once, then for each request (a JSON
-    line ``[page, line, working directory, log file]``) fork a child that runs that
-    block with its output in the log, and reply ``{"pid": ...}`` then ``{"code": ...}``
-    (the child's exit code, negative for a signal)."""
-    import keras  # noqa: F401  (the imports every block starts with, paid once)
-
-    import kdp  # noqa: F401
-
-    for request in sys.stdin:
-        path, line, cwd, log = json.loads(request)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(path, line, cwd, log)   # never returns
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
-
-
-def _child(path, line, cwd, log):
-    """In the forked child: run one block as a fresh process's main program, its
-    output in ``log``; exit with the code the interpreter would give (1 after an
-    exception), once the threads it would wait for have ended. Not run: the
-    interpreter's teardown of its modules (2-3 s with Keras loaded, for every block),
-    which cannot change a block's exit code."""
-    os.chdir(cwd)
-    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    code = 0
-    try:
-        _run(path, line)
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        if exit.code is not None and not isinstance(exit.code, int):
-            print(exit.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    for thread in threading.enumerate():
-        if not thread.daemon and thread is not threading.main_thread():
-            thread.join()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _run(path, line):
     page = ROOT / path
     block = next(b for b in page_blocks(page) if b.line == line)
@@ -217,84 +158,15 @@ RUNNABLE = [b for b in BLOCKS if b.fragment is None]
 FRAGMENTS = [b for b in BLOCKS if b.fragment is not None]
 
 
-class Forks:
-    """The forking parent (`_serve`) seen from the tests: ``run`` one block in a
-    child and return its exit code and output; a block past ``timeout`` seconds is
-    killed."""
-
-    def __init__(self):
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "XLA_FLAGS": flags.strip(), "MPLBACKEND": "Agg", "PYTHONPATH": path,
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")}
-        self.parent = subprocess.Popen([sys.executable, __file__, "--serve"], cwd=ROOT, env=env,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.pending = b""
-
-    def run(self, block, cwd, timeout=TIMEOUT_S):
-        log = Path(cwd) / "output.log"
-        self.parent.stdin.write(json.dumps([block.path, block.line, str(cwd), str(log)]) + "\n")
-        self.parent.stdin.flush()
-        started = self._reply(timeout)
-        if started is None:
-            raise TimeoutError(f"the forking parent did not start a child in {timeout} s")
-        done = self._reply(timeout)
-        if done is None:
-            os.kill(started["pid"], 9)
-            self._reply(timeout)
-        return done and done["code"], log.read_text(errors="replace")
-
-    def _reply(self, timeout):
-        """The parent's next reply, or None after ``timeout`` seconds of silence."""
-        while b"\n" not in self.pending:
-            if not select.select([self.parent.stdout], [], [], timeout)[0]:
-                return None
-            chunk = os.read(self.parent.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"the forking parent ended (exit code {self.parent.wait()})")
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
-
-    def close(self):
-        self.parent.stdin.close()
-        self.parent.wait(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def forks():
-    forks = Forks()
-    yield forks
-    forks.close()
-
-
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_block_runs(block, tmp_path, forks):
-    code, output = forks.run(block, tmp_path)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+    env = {**forks.env, "XLA_FLAGS": flags.strip()}
+    code, output = forks.run([__file__, "--block", block.path, block.line], tmp_path,
+                             tmp_path / "output.log", env=env, timeout=TIMEOUT_S)
     tail = output[-8000:]
     assert code is not None, f"{block.path} line {block.line}: over {TIMEOUT_S} s\n{tail}"
     assert code == 0, f"{block.path} line {block.line} (exit code {code}):\n{tail}"
-
-
-def test_the_runner_reports_what_a_block_did(forks, tmp_path):
-    """A forked block's exit code and output come back as from a fresh process: an
-    exception is code 1 with its traceback, ``sys.exit(3)`` is 3, ``sys.exit("said")``
-    prints and is 1, a thread still running is waited for; a block past its time is
-    killed (None), and the parent still serves the next one."""
-    page = tmp_path / "page.md"
-    page.write_text("```python\nprint('ran')\n```\n```python\nraise ValueError('seen')\n```\n"
-                    "```python\nimport sys\nsys.exit(3)\n```\n```python\nimport time\n"
-                    "time.sleep(60)\n```\n```python\nimport sys\nsys.exit('said')\n```\n"
-                    "```python\nimport threading, time\nthreading.Thread(target=lambda: "
-                    "(time.sleep(1), print('joined'))).start()\n```\n")
-    ok, raises, exits, sleeps, says, waits = page_blocks(page)
-    outcomes = [forks.run(block, tmp_path, timeout=20) for block in (ok, raises, exits, says, waits)]
-    assert [code for code, _ in outcomes] == [0, 1, 3, 1, 0]
-    assert "ran" in outcomes[0][1] and "ValueError: seen" in outcomes[1][1]
-    assert "said" in outcomes[3][1] and "joined" in outcomes[4][1]
-    assert f'File "{page}", line 5' in outcomes[1][1]
-    assert forks.run(sleeps, tmp_path, timeout=2)[0] is None
-    assert forks.run(ok, tmp_path, timeout=20)[0] == 0
 
 
 @pytest.mark.parametrize("block", FRAGMENTS, ids=[b.id for b in FRAGMENTS])
@@ -331,5 +203,5 @@ def test_capped_fit():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:
-        _serve()
+    if sys.argv[1:2] == ["--block"]:
+        _run(sys.argv[2], int(sys.argv[3]))
