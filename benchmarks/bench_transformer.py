@@ -9,10 +9,11 @@ on token ids alone (no segments, no padding), its pooled output into a
 
 * ``keras``: the model as a plain ``keras.Model``;
 * ``clipping``: kdp per-example clipping DP-SGD (``DPParameters(clipping_norm=1)``)
-  on the same model, Poisson batches: the layers of the registered kinds
+  on the same model, Poisson batches: every layer is of a registered kind
   (`kdp.clipping.kinds`: the encoder's ``EinsumDense`` projections, ``Dense``
-  feed-forward and pooler, ``LayerNormalization``, the segment ``Embedding``)
-  get ghost norms, the token and position embeddings per-example gradients;
+  feed-forward and pooler, ``LayerNormalization``, the segment ``Embedding``,
+  the token ``ReversibleEmbedding`` and the ``PositionEmbedding``), so no
+  variable needs per-example gradients;
 * ``vmap``: as ``clipping`` with the registry emptied: every variable gets
   per-example gradients (the engine's fallback), for comparison.
 
