@@ -22,6 +22,11 @@ What a fork cannot change: the variables read when Keras and kdp were imported
 (``KERAS_BACKEND``: a child asking for another backend is refused with exit code
 2; TensorFlow's C++ log level; JAX's ``JAX_*`` settings), which are the parent's.
 
+Off Linux (macOS forbids much of what a forked TensorFlow or JAX process does),
+or with ``KDP_TEST_FRESH_PROCESSES=1`` (to check that a failure is not the
+fork's), the parent imports nothing and each child replaces itself with a fresh
+``python SCRIPT ARGS`` (`FRESH`): the same interface, at the old cost.
+
 The parent reads JSON lines ``{"start": argv, "cwd": ..., "env": ..., "log": ...}``
 on its standard input and writes ``{"started": pid}`` and, when that child ends,
 ``{"ended": pid, "code": ...}``; it is single-threaded (no lock can be held by
@@ -43,6 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: how long the parent may take to start (importing Keras and kdp on a loaded machine)
 START_S = 300
+#: each child runs a fresh interpreter instead of the forked one
+FRESH = sys.platform != "linux" or os.environ.get("KDP_TEST_FRESH_PROCESSES") == "1"
 
 
 class Forks:
@@ -122,11 +129,14 @@ class Forks:
 
 
 def _serve():
-    import keras  # the imports every child starts with, paid once
+    backend = None
+    if not FRESH:
+        import keras  # the imports every child starts with, paid once
 
-    import kdp  # noqa: F401
+        import kdp  # noqa: F401
 
-    backend, children, pending, reading = keras.backend.backend(), set(), b"", True
+        backend = keras.backend.backend()
+    children, pending, reading = set(), b"", True
     while reading or children:
         if reading and select.select([sys.stdin], [], [], 0.05)[0]:
             chunk = os.read(sys.stdin.fileno(), 65536)
@@ -157,12 +167,16 @@ def _say(reply):
 
 
 def _child(backend, start, cwd, log, env):
-    """In a forked child: become ``python *start`` and exit as it would."""
+    """In a forked child: become ``python *start`` (`FRESH`: a new interpreter) and
+    exit as it would."""
     output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.close(output)
+    if FRESH:
+        os.chdir(cwd)
+        os.execve(sys.executable, [sys.executable, *start], env)
     code = 0
     try:
         if env.get("KERAS_BACKEND", backend) != backend:

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+from _forks import Forks
 
 
 @pytest.fixture
@@ -91,3 +92,18 @@ def test_keras_and_kdp_are_imported_and_no_backend_started_before_the_fork(forks
     assert "modules True True" in output and "jax client False" in output
     if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
         assert "tensorflow devices 2" in output
+
+
+def test_fresh_processes_instead_of_forks_behave_the_same(script, tmp_path, monkeypatch):
+    """``KDP_TEST_FRESH_PROCESSES=1`` (and any platform but Linux): each child is a
+    new interpreter, with nothing imported, the same exit codes and output."""
+    monkeypatch.setenv("KDP_TEST_FRESH_PROCESSES", "1")
+    fresh = Forks()
+    try:
+        code, output = fresh.run([script("import os, sys\nprint('kdp' in sys.modules, os.getcwd())\n"
+                                         "raise SystemExit(4)\n")], tmp_path, tmp_path / "log")
+        assert code == 4 and f"False {tmp_path}" in output, output
+        code, output = fresh.run([script("raise ValueError('seen')")], tmp_path, tmp_path / "log")
+        assert code == 1 and "ValueError: seen" in output
+    finally:
+        fresh.close()
