@@ -174,8 +174,8 @@ def _child(backend, start, cwd, log, env):
     os.dup2(output, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.close(output)
+    os.chdir(cwd)
     if FRESH:
-        os.chdir(cwd)
         os.execve(sys.executable, [sys.executable, *start], env)
     code = 0
     try:
@@ -184,7 +184,6 @@ def _child(backend, start, cwd, log, env):
                   file=sys.stderr)
             code = 2
         else:
-            os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
             sys.argv = list(start)
