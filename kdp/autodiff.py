@@ -9,6 +9,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kdp._tf_vectorize import vectorization
 from kdp.layers.clip import per_example_units
 
 
@@ -144,7 +145,8 @@ def _per_example_gradients(model, loss, x, y):
                 value = tf.reduce_sum(loss.call(yi[None], model(xi[None], training=False)))
             return tape.gradient(value, variables, unconnected_gradients="zero")
 
-        grads = tf.vectorized_map(example_grads, (tf.convert_to_tensor(x), tf.convert_to_tensor(y)))
+        with vectorization():
+            grads = tf.vectorized_map(example_grads, (tf.convert_to_tensor(x), tf.convert_to_tensor(y)))
     else:
         raise NotImplementedError(
             f"per_example_gradients supports the jax and tensorflow backends, not {backend!r}"
@@ -372,7 +374,7 @@ def _vectorized(model, forward, x, y, weights, variables, views, first_row, diff
             grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
             return list(aux), grads[len(variables):], grads[:len(variables)], v
 
-        with seeds:
+        with seeds, vectorization():
             if not differentiate:
                 return tf.vectorized_map(value, (rows, x, y))
             aux, cotangents, grads, values = tf.vectorized_map(

@@ -7,8 +7,8 @@ The layers, lowest first; a module may import its own layer and those below:
    imports, constants);
 1. `kdp.privacy`: pure privacy maths on dp-accounting events (no model, no Keras);
 2. the building blocks of a DP model: `kdp.distribute`, `kdp.lipschitz`,
-   `kdp.metadata`, `kdp.datasets`, `kdp.tabular`, `kdp.autodiff`, `kdp.layers`, `kdp.bounds`,
-   `kdp.losses`, `kdp.admission`, `kdp.clipping`;
+   `kdp.metadata`, `kdp.datasets`, `kdp.tabular`, `kdp._tf_vectorize`, `kdp.autodiff`,
+   `kdp.layers`, `kdp.bounds`, `kdp.losses`, `kdp.admission`, `kdp.clipping`;
 3. `kdp.training`: the training core (ledger, gate, budget, `fit`'s session);
 4. what users train with: `kdp.model`, `kdp.pipeline` (its batches come from
    `kdp.training.sampling`), `kdp.callbacks`, `kdp.adaptive_clipping`,
@@ -36,7 +36,7 @@ LAYERS = (
     ("kdp._quiet", "kdp.compat", "kdp._reader_processes", "kdp.domain_ranges"),
     ("kdp.privacy",),
     ("kdp.distribute", "kdp.lipschitz", "kdp.metadata", "kdp.datasets", "kdp.tabular",
-     "kdp.autodiff",
+     "kdp._tf_vectorize", "kdp.autodiff",
      "kdp.layers", "kdp.bounds", "kdp.losses", "kdp.admission", "kdp.clipping"),
     ("kdp.training",),
     ("kdp.model", "kdp.pipeline", "kdp.callbacks", "kdp.adaptive_clipping", "kdp.audit",

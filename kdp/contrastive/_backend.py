@@ -17,6 +17,8 @@ Everything else in `kdp.contrastive` is `keras.ops`. The functions here take a
 
 import keras
 
+from kdp._tf_vectorize import vectorization
+
 
 def _backend():
     name = keras.backend.backend()
@@ -60,8 +62,9 @@ def per_example_jacobians(fn, params, x):
         out = fn(params, x)
     # Row k of the output depends on x_k only, so the batch Jacobian restricted
     # to row k is example k's own Jacobian.
-    return list(tape.jacobian(out, params, unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                              experimental_use_pfor=True))
+    with vectorization():
+        return list(tape.jacobian(out, params, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                                  experimental_use_pfor=True))
 
 
 def pair_gradients(fn, params, a, b):
@@ -89,7 +92,8 @@ def pair_gradients(fn, params, a, b):
         return [tf.convert_to_tensor(g) for g in grads]
 
     idx = tf.stack([tf.reshape(ii, [-1]), tf.reshape(jj, [-1])], axis=1)
-    grads = tf.vectorized_map(one, idx)
+    with vectorization():
+        grads = tf.vectorized_map(one, idx)
     return [tf.reshape(g, (n, m) + tuple(p.shape)) for g, p in zip(grads, params)]
 
 

@@ -1,0 +1,106 @@
+"""TensorFlow's vectorization of a batch-times-matrix product (`kdp._tf_vectorize`):
+the same numbers as a loop over the examples, TensorFlow's own conversion
+restored afterwards, and, where this CPU's oneDNN aborts on the broadcast
+product that ``pfor`` makes, kdp's per-example gradients of an ``EinsumDense``
+model run to the end."""
+
+import keras
+import numpy as np
+import pytest
+
+from kdp import _tf_vectorize
+from kdp._tf_vectorize import vectorization
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                                reason="TensorFlow's pfor conversion")
+
+
+def _registry():
+    from tensorflow.python.ops.parallel_for import pfor
+
+    return pfor._pfor_converter_registry
+
+
+@pytest.mark.parametrize("example, weight, adjoint", [
+    ((1, 6, 4), (4, 3), False), ((1, 6, 4), (3, 4), True), ((2, 1, 6, 4), (4, 3), False),
+    ((1, 6, 4), (1, 4, 3), False), ((6, 4), (1, 1, 4, 3), False),  # unit batch axes
+    ((2, 6, 4), (2, 4, 3), False)])  # a batch of matrices: TensorFlow's own conversion
+def test_per_example_products_and_gradients_match_a_loop(example, weight, adjoint, monkeypatch):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(5, *example)), "float32")
+    w = tf.constant(rng.normal(size=weight), "float32")
+    calls = []
+    convert = _tf_vectorize._convert_batch_matmul
+    monkeypatch.setattr(_tf_vectorize, "_convert_batch_matmul", lambda p: calls.append(1) or convert(p))
+
+    def one(xi):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            out = tf.matmul(xi, w, adjoint_b=adjoint)
+            value = tf.reduce_sum(tf.sin(out))
+        return out, tape.gradient(value, w)
+
+    with vectorization():
+        out, grads = tf.function(lambda x: tf.vectorized_map(one, x))(x)
+    loop = [one(x[i]) for i in range(5)]
+    np.testing.assert_allclose(out, np.stack([o for o, _ in loop]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads, np.stack([g for _, g in loop]), rtol=1e-5, atol=1e-6)
+    assert calls  # the conversion went through the replacement
+
+
+def test_tensorflows_conversion_is_restored_after_nested_uses_and_errors():
+    original = _registry()["BatchMatMulV2"]
+    with vectorization():
+        with vectorization():
+            assert _registry()["BatchMatMulV2"] is _tf_vectorize._convert_batch_matmul
+        assert _registry()["BatchMatMulV2"] is _tf_vectorize._convert_batch_matmul
+    assert _registry()["BatchMatMulV2"] is original
+    with pytest.raises(RuntimeError, match="inside"):
+        with vectorization():
+            raise RuntimeError("inside")
+    assert _registry()["BatchMatMulV2"] is original
+
+
+RAW_PRODUCT = """
+import numpy as np, tensorflow as tf
+x, w = tf.constant(np.ones((8, 1, 6, 4), "float32")), tf.constant(np.ones((4, 6), "float32"))
+for _ in range(20):
+    tf.function(tf.matmul)(x, w).numpy()
+print("done")
+"""
+
+EINSUM_MODEL = """
+import keras, numpy as np
+from kdp.autodiff import per_example_gradients
+inputs = keras.Input((6, 4))
+h = keras.layers.EinsumDense("abc,cd->abd", (6, 5), activation="tanh")(inputs)
+outputs = keras.layers.Dense(3)(keras.layers.Flatten()(h))
+model = keras.Model(inputs, outputs)
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+x, y = np.ones((8, 6, 4), "float32"), np.zeros(8, "int32")
+for _ in range(20):
+    grads = per_example_gradients(model, loss, x, y)
+assert all(g.shape[0] == 8 for g in grads.values())
+print("done")
+"""
+
+
+def test_per_example_gradients_of_an_einsum_dense_model_run_where_the_raw_product_aborts(
+        forks, tmp_path):
+    """kdp's per-example gradients, which make the product ``(n, 1, T, d) @ (d, k)``
+    under ``pfor``, run to the end. Where that product alone aborts (this CPU's
+    oneDNN), the same gradients with TensorFlow's own conversion abort too: the
+    replacement is what avoids it."""
+    def run(name, source):
+        (tmp_path / f"{name}.py").write_text(source)
+        return forks.run([tmp_path / f"{name}.py"], tmp_path, tmp_path / f"{name}.log")
+
+    code, output = run("kdp", EINSUM_MODEL)
+    assert code == 0 and "done" in output, output
+    if run("raw", RAW_PRODUCT)[0] == 0:
+        return  # a CPU on which the product does not abort: nothing to contrast
+    unprotected = "import contextlib, kdp.autodiff\nkdp.autodiff.vectorization = contextlib.nullcontext\n"
+    code, output = run("unprotected", unprotected + EINSUM_MODEL)
+    assert code != 0 and "done" not in output
