@@ -48,19 +48,25 @@ def probe_batch(model, rng):
     ``segment_ids`` and ``padding_mask``). Float inputs are standard normal;
     integer and boolean inputs are 0 or 1, valid token ids and mask values
     whatever the vocabulary. Unknown sizes other than the batch's are taken
-    from ``dataset_metadata.input_shape`` for a single input, else 3.
+    from ``dataset_metadata.input_shape`` for a single input (a model without
+    ``dataset_metadata``, e.g. a contrastive encoder, needs known inputs), else 3.
     """
-    meta = model.dataset_metadata
+    meta = getattr(model, "dataset_metadata", None)
     struct = getattr(model, "_inputs_struct", None)  # a functional model's, as given
     if struct is None:
-        struct = getattr(model, "inputs", None) or keras.KerasTensor((None,) + tuple(meta.input_shape))
+        struct = getattr(model, "inputs", None)
+    if struct is None:
+        if meta is None:
+            raise ValueError(f"{model.name}: build the model on its inputs (keras.Input) first")
+        struct = keras.KerasTensor((None,) + tuple(meta.input_shape))
     if isinstance(struct, (list, tuple)) and len(struct) == 1:
         struct = struct[0]
     specs = keras.tree.flatten(struct)
     rows = specs[0].shape[0] or _PROBE_ROWS
 
     def make(spec):
-        fill = meta.input_shape if len(specs) == 1 and len(meta.input_shape) == len(spec.shape) - 1 else None
+        fill = (meta.input_shape if meta is not None and len(specs) == 1
+                and len(meta.input_shape) == len(spec.shape) - 1 else None)
         shape = [rows] + [d if d is not None else (fill[i] if fill else 3)
                           for i, d in enumerate(spec.shape[1:])]
         dtype = keras.backend.standardize_dtype(spec.dtype)

@@ -399,19 +399,32 @@ def test_a_stated_input_bound_below_the_encoders_cap_is_checked():
                        delta=1e-3).fit(x, x)  # without input_bound the cap bounds the rows
 
 
-def test_batch_mixing_encoders_are_refused():
-    bn = keras.Sequential([keras.layers.Dense(4), keras.layers.BatchNormalization()])
-    bn.build((None, DIM))
-    with pytest.raises(ValueError, match="BatchNormalization"):
-        ContrastiveTrainer(bn, DP_InfoNCE(), "logit-dp", noise_multiplier=1.0)
-    mixing = keras.Sequential([keras.layers.Dense(4),
-                               keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0))])
-    mixing.build((None, DIM))
-    trainer = ContrastiveTrainer(mixing, DP_InfoNCE(), "logit-dp", batch_size=4,
-                                 noise_multiplier=1.0, delta=1e-3)
+@pytest.mark.parametrize("mixer", ["centring", "on_zero_row", "on_repeat"])
+def test_an_encoder_mixing_its_batch_is_refused_before_anything_is_spent(mixer):
+    """Refused for what its inference pass does, whatever the layer's type: a Lambda
+    centring over the batch axis, and layers that mix only when the batch holds an
+    all-zero row (the padding of a Poisson batch) or a repeated row, which rows of
+    real data alone would not show."""
+    from test_admission import _MixOnRepeat, _MixOnZeroRow
+
+    layer = {"centring": lambda: keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0)),
+             "on_zero_row": _MixOnZeroRow, "on_repeat": _MixOnRepeat}[mixer]()
+    encoder = keras.Sequential([keras.Input((DIM,)), layer, keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="mixes the examples of a batch.*sensitivity bounds"):
+        ContrastiveTrainer(encoder, DP_InfoNCE(), "logit-dp", batch_size=4, noise_multiplier=1.0,
+                           delta=1e-3)
+
+
+def test_batch_normalization_in_inference_is_admitted_with_a_warning():
+    """Negative control: with ``training=False`` a BatchNormalization is a fixed
+    per-example map (its statistics must be public): admitted, and it trains."""
+    encoder = keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    with pytest.warns(UserWarning, match="BatchNormalization runs in inference mode"):
+        trainer = ContrastiveTrainer(encoder, DP_InfoNCE(), "logit-dp", batch_size=4,
+                                     noise_multiplier=1.0, delta=1e-3)
     x = np.random.default_rng(0).normal(size=(20, DIM)).astype("float32")
-    with pytest.raises(ValueError, match="independently"):
-        trainer.fit(x, x)
+    trainer.fit(x, x, steps_per_epoch=1)
+    assert trainer.privacy_ledger.training_steps() == 1
 
 
 # -- noise and accounting ----------------------------------------------------------------

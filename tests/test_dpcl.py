@@ -237,10 +237,13 @@ def test_trainer_warns_accounts_and_refuses(rng):
         DPCLTrainer(enc, "simclr", "rigorous", batch_size=8)
     with pytest.raises(ValueError):
         Spec("simclr", "heuristic", 4, 4, 1.0)
-    bn = keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(),
-                           keras.layers.Dense(DIM)])
-    with pytest.raises(ValueError, match="batch"):
-        DPCLTrainer(bn, "simclr", "rigorous", noise_multiplier=1.0)
+    centring = keras.Sequential([keras.Input((6,)), keras.layers.Lambda(lambda t: t - keras.ops.mean(t, 0)),
+                                 keras.layers.Dense(DIM)])
+    with pytest.raises(ValueError, match="mixes the examples of a batch"):
+        DPCLTrainer(centring, "simclr", "rigorous", noise_multiplier=1.0)
+    bn = keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(DIM)])
+    with pytest.warns(UserWarning, match="BatchNormalization runs in inference mode"):
+        DPCLTrainer(bn, "simclr", "rigorous", noise_multiplier=1.0)  # a fixed map in inference
 
 
 # -- one noise source, one gate -------------------------------------------------------------------

@@ -26,7 +26,7 @@ def check_model(model):
       (`kdp.admission.check_forward_pass`); a frozen BatchNormalization runs in
       inference mode (a warning: its statistics must be public);
     * a model whose output for one example depends on other examples of its
-      batch is refused (`_check_examples_independent`).
+      batch is refused (`check_examples_independent`).
     """
     loss = model.loss
     if not isinstance(loss, keras.losses.Loss):
@@ -36,17 +36,21 @@ def check_model(model):
         )
     if not model.trainable_variables:
         raise ClippingError(f"{model.name} has no trainable variables")
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.BatchNormalization) and not layer.trainable:
-            warnings.warn(
-                f"{layer.name}: frozen BatchNormalization runs in inference mode with fixed "
-                "statistics; fine for DP as long as those statistics are public.",
-                stacklevel=3,
-            )
+    warn_fixed_statistics(model, frozen_only=True)
     group_clipping_norms(model)  # validates a per-layer dict
     admission.check_forward_pass(model)
-    _check_examples_independent(model)
+    check_examples_independent(model)
     return {}
+
+
+def warn_fixed_statistics(model, frozen_only):
+    """Warn for each ``BatchNormalization`` of ``model`` that runs in inference mode (the
+    frozen ones, or all with ``frozen_only=False``): its fixed statistics must be public."""
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.BatchNormalization) and not (frozen_only and layer.trainable):
+            warnings.warn(f"{layer.name}: {'frozen ' if frozen_only else ''}BatchNormalization runs in "
+                          "inference mode with fixed statistics; fine for DP as long as those "
+                          "statistics are public.", stacklevel=4)
 
 
 def _perturb_row(x, k, rng):
@@ -68,7 +72,13 @@ def _same(a, b):
     return bool(np.allclose(a, b, rtol=0.0, atol=rtol * scale, equal_nan=True))
 
 
-def _check_examples_independent(model):
+#: why per-example clipping refuses a model that mixes its batch
+CLIPPING_NEEDS = ("the clipped per-example gradients would not be those of the computation the "
+                  "batch runs. Per-example clipping needs each example's output to depend on that "
+                  "example alone.")
+
+
+def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS):
     """Refuse a model whose output for one example depends on other examples.
 
     The clipped sum does not rest on this check: `clipped_gradient_sum` runs
@@ -84,6 +94,12 @@ def _check_examples_independent(model):
     changes; in training mode a model with random layers is only perturbed,
     not shortened, since a draw of another shape gives every row other values.
     A layer that mixes only on inputs the probe does not hold passes it.
+
+    Args:
+        model: a built Keras model (``dataset_metadata`` gives unknown input sizes
+            when it has one: `kdp.admission.probe_batch`).
+        modes: the ``training`` values probed.
+        why: what the mixing would break, ending the error's message.
 
     Raises:
         ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
@@ -111,12 +127,10 @@ def _check_examples_independent(model):
         raise ClippingError(
             f"{model.name}: the output for one example changes when another example of the batch "
             f"is {how} (training={training}): a layer mixes the examples of a batch (e.g. statistics "
-            "or a mean over the batch axis), and the clipped per-example gradients would not be "
-            "those of the computation the batch runs. Per-example clipping needs each example's "
-            "output to depend on that example alone."
+            f"or a mean over the batch axis), and {why}"
         )
 
-    for training in (True, False):
+    for training in modes:
         ref = run(x, training)
         if any(len(o.shape) == 0 or o.shape[0] != rows for o in ref):
             raise ClippingError(f"{model.name}: every output must have one row per example (batch axis first)")

@@ -30,25 +30,30 @@ import keras
 from keras import ops
 
 from kdp.bounds import BoundError, backpropagate, propagate
+from kdp.clipping.checks import check_examples_independent, warn_fixed_statistics
 from kdp.contrastive import _backend
 
 #: number of floats of one block of pair gradients below which blocks are not split further.
 _BLOCK_FLOATS = 1 << 22
-#: layers that mix the examples of a batch (refused: Lemma 4.1 needs per-example encoders).
-_BATCH_MIXING = ("BatchNormalization", "SyncBatchNormalization")
+#: why the contrastive trainers refuse an encoder that mixes its batch
+_PAIRS_NEED = ("every per-pair gradient would change when a pair is removed, so the contrastive "
+               "sensitivity bounds (Kong et al., Lemma 4.1) would not hold. Use a per-example "
+               "normalisation (LayerNormalization, GroupNormalization, kdp.layers.DP_LayerCentering).")
 
 
 def check_encoder(encoder):
-    """Raise if ``encoder`` has a layer known to mix the examples of a batch."""
-    for layer in encoder._flatten_layers(include_self=True):
-        if type(layer).__name__ in _BATCH_MIXING or isinstance(layer, keras.layers.BatchNormalization):
-            raise ValueError(
-                f"{layer.name} ({type(layer).__name__}) normalises with batch statistics: the "
-                "embedding of one example then depends on the others, every per-pair gradient "
-                "changes when a pair is removed and the contrastive sensitivity bounds do not "
-                "hold. Use a per-example normalisation (LayerNormalization, GroupNormalization, "
-                "kdp.layers.DP_LayerCentering) instead."
-            )
+    """Admit ``encoder`` for what its inference pass does (the contrastive trainers call
+    it with ``training=False``, through ``stateless_call``: a variable it writes is
+    discarded, a loss term it adds never enters the gradient).
+
+    Raises `kdp.clipping.ClippingError` if one example's embedding changes when
+    another example of its batch is perturbed or removed (a probe batch with a
+    repeated and an all-zero row: `kdp.clipping.checks.check_examples_independent`).
+    Warns for a ``BatchNormalization``: in inference it is a fixed per-example map,
+    whose statistics must be public.
+    """
+    check_examples_independent(encoder, modes=(False,), why=_PAIRS_NEED)
+    warn_fixed_statistics(encoder, frozen_only=False)
 
 
 class PairGradients:

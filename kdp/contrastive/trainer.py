@@ -90,7 +90,7 @@ class ContrastiveTrainer:
 
     Args:
         encoder: a built Keras model ``(n, ...) -> (n, d)`` that processes each
-            example independently (no BatchNormalization; checked), called with
+            example independently (checked: `kdp.contrastive.check_encoder`), called with
             ``training=False`` (dropout is not applied). Its inputs may be a
             structure (a dict or list of arrays, e.g. a keras_hub text encoder's
             ``token_ids``, ``segment_ids``, ``padding_mask``). For

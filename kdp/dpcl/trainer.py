@@ -56,7 +56,8 @@ class DPCLTrainer:
     """DP-SimCLR / DP-Barlow-Twins with per-view clipping (Li et al. 2022).
 
     Args:
-        encoder: a built Keras model ``(n, ...) -> (n, d)``, per-example (no BatchNorm).
+        encoder: a built Keras model ``(n, ...) -> (n, d)``, per-example in inference
+            (checked: `kdp.contrastive.check_encoder`).
         objective: ``"simclr"`` or ``"barlow-twins"``.
         mode: ``"rigorous"`` (proven), ``"as-published"`` (the paper's unproven 4C),
             ``"full"`` (the paper's original DPSGD, ``Δ_g = 4|B|C``).
