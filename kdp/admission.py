@@ -40,8 +40,9 @@ class AdmissionError(ValueError):
     """The model's training forward pass does something the noise does not cover."""
 
 
-def probe_batch(model, rng):
-    """A small random batch shaped like the model's inputs: ``(x, rows)``.
+def probe_batch(model, rng, like=None):
+    """A small random batch shaped like the model's inputs (or like the rows of
+    ``like``, a structure of arrays, for a model that declares no inputs): ``(x, rows)``.
 
     ``x`` has the structure of the model's inputs (an array, or the dict or list
     of a multi-input model, e.g. a keras_hub backbone's ``token_ids``,
@@ -53,11 +54,14 @@ def probe_batch(model, rng):
     """
     meta = getattr(model, "dataset_metadata", None)
     struct = getattr(model, "_inputs_struct", None)  # a functional model's, as given
+    if struct is None and like is not None:
+        struct = keras.tree.map_structure(
+            lambda a: keras.KerasTensor((None,) + np.shape(a)[1:], dtype=np.asarray(a).dtype.name), like)
     if struct is None:
         struct = getattr(model, "inputs", None)
     if struct is None:
         if meta is None:
-            raise ValueError(f"{model.name}: build the model on its inputs (keras.Input) first")
+            raise ValueError(f"{model.name}: declares no inputs; give rows like its inputs")
         struct = keras.KerasTensor((None,) + tuple(meta.input_shape))
     if isinstance(struct, (list, tuple)) and len(struct) == 1:
         struct = struct[0]

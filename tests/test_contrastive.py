@@ -415,6 +415,38 @@ def test_an_encoder_mixing_its_batch_is_refused_before_anything_is_spent(mixer):
                            delta=1e-3)
 
 
+class _Subclassed(keras.Model):
+    """An encoder that declares no inputs; ``mix``: mixes its batch when it holds an
+    all-zero row (a padded batch)."""
+
+    def __init__(self, mix):
+        from test_admission import _MixOnZeroRow
+
+        super().__init__()
+        self.dense, self.mixer = keras.layers.Dense(4), (_MixOnZeroRow() if mix else None)
+
+    def call(self, x, training=None):
+        return self.dense(self.mixer(x) if self.mixer else x)
+
+
+@pytest.mark.parametrize("mix", [True, False])
+def test_an_encoder_without_declared_inputs_is_probed_like_the_training_rows(mix):
+    """A subclassed encoder is probed when `fit` sees rows: refused before anything is
+    spent if it mixes its batch, trained otherwise (the negative control)."""
+    encoder = _Subclassed(mix)
+    encoder(np.ones((2, DIM), "float32"))
+    trainer = ContrastiveTrainer(encoder, DP_InfoNCE(), "logit-dp", batch_size=4, noise_multiplier=1.0,
+                                 delta=1e-3)
+    x = np.random.default_rng(0).normal(size=(20, DIM)).astype("float32")
+    if mix:
+        with pytest.raises(ValueError, match="mixes the examples of a batch"):
+            trainer.fit(x, x, steps_per_epoch=1)
+        assert trainer.privacy_ledger.entries == []
+    else:
+        trainer.fit(x, x, steps_per_epoch=1)
+        assert trainer.privacy_ledger.training_steps() == 1
+
+
 def test_batch_normalization_in_inference_is_admitted_with_a_warning():
     """Negative control: with ``training=False`` a BatchNormalization is a fixed
     per-example map (its statistics must be public): admitted, and it trains."""

@@ -78,7 +78,7 @@ CLIPPING_NEEDS = ("the clipped per-example gradients would not be those of the c
                   "example alone.")
 
 
-def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS):
+def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS, like=None):
     """Refuse a model whose output for one example depends on other examples.
 
     The clipped sum does not rest on this check: `clipped_gradient_sum` runs
@@ -100,12 +100,14 @@ def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS):
             when it has one: `kdp.admission.probe_batch`).
         modes: the ``training`` values probed.
         why: what the mixing would break, ending the error's message.
+        like: rows shaped like the inputs, for a model that declares none (a
+            subclassed model): the probe takes their shapes and dtypes, not their values.
 
     Raises:
         ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
     """
     rng = np.random.default_rng(0)
-    x, rows = admission.probe_batch(model, rng)
+    x, rows = admission.probe_batch(model, rng, like)
     fixed_batch = model.inputs[0].shape[0] is not None if getattr(model, "inputs", None) else False
     if not fixed_batch:
         x = keras.tree.map_structure(lambda a: np.concatenate([a, a[:1], np.zeros_like(a[:1])]), x)

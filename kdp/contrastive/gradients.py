@@ -41,7 +41,7 @@ _PAIRS_NEED = ("every per-pair gradient would change when a pair is removed, so 
                "normalisation (LayerNormalization, GroupNormalization, kdp.layers.DP_LayerCentering).")
 
 
-def check_encoder(encoder):
+def check_encoder(encoder, like=None):
     """Admit ``encoder`` for what its inference pass does (the contrastive trainers call
     it with ``training=False``, through ``stateless_call``: a variable it writes is
     discarded, a loss term it adds never enters the gradient).
@@ -51,9 +51,21 @@ def check_encoder(encoder):
     repeated and an all-zero row: `kdp.clipping.checks.check_examples_independent`).
     Warns for a ``BatchNormalization``: in inference it is a fixed per-example map,
     whose statistics must be public.
+
+    Args:
+        encoder: a built Keras model.
+        like: training rows (a structure of arrays), whose shapes the probe takes
+            when the encoder declares no inputs (a subclassed model).
+
+    Returns:
+        Whether the encoder was probed: False for one that declares no inputs
+        when ``like`` is None (then call again with the training rows).
     """
-    check_examples_independent(encoder, modes=(False,), why=_PAIRS_NEED)
+    if like is None and getattr(encoder, "inputs", None) is None:
+        return False
+    check_examples_independent(encoder, modes=(False,), why=_PAIRS_NEED, like=like)
     warn_fixed_statistics(encoder, frozen_only=False)
+    return True
 
 
 class PairGradients:
@@ -77,7 +89,7 @@ class PairGradients:
     def __init__(self, encoder, loss, block_rows=None, method="gram"):
         if method not in ("gram", "blocks"):
             raise ValueError(f"method must be 'gram' or 'blocks', got {method!r}")
-        check_encoder(encoder)
+        self.admitted = check_encoder(encoder)
         self.method = method
         self.encoder = encoder
         self.loss = loss

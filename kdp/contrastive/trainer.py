@@ -74,7 +74,7 @@ from kdp import privacy
 from kdp.autodiff import compile_function
 from kdp.bounds import uses_input_bound
 from kdp.contrastive import _backend
-from kdp.contrastive.gradients import PairGradients, clipless_pair_bound
+from kdp.contrastive.gradients import PairGradients, check_encoder, clipless_pair_bound
 from kdp.pipeline import PoissonBatches
 from kdp.training import seeds
 from kdp.training.gate import PrivacyGate
@@ -279,6 +279,8 @@ class ContrastiveTrainer:
         return x, xp, steps
 
     def _check_independence(self, x):
+        if not self.engine.admitted:  # an encoder without declared inputs: probed like x
+            self.engine.admitted = check_encoder(self.encoder, like=x)
         params, others = self.engine.variables()
         batch = np.asarray(self.engine.features(params, others, _tensors(x)))
         for k in range(_rows(x)):
