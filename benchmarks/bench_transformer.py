@@ -2,7 +2,7 @@
 against kdp per-example clipping.
 
 The model: keras_hub's ``BertBackbone`` (random weights, nothing downloaded,
-dropout 0; ``--layers`` encoder layers of width ``--width``, 2 heads,
+dropout ``--dropout``, 0 by default; ``--layers`` encoder layers of width ``--width``, 2 heads,
 feed-forward 4·width, sequences of ``--length`` tokens, vocabulary 1000)
 on token ids alone (no segments, no padding), its pooled output into a
 ``Dense(2)`` head, SGD and sparse cross-entropy, trained three ways:
@@ -22,7 +22,8 @@ Each runs in its own subprocess; time and memory are measured as in
 of ``--steps`` steps after a warm-up, divided by its steps; memory: peak RSS
 minus the RSS after the imports).
 
-    KERAS_BACKEND=jax python benchmarks/bench_transformer.py [--batch 32] [--length 64] [--width 128] [--steps 10]
+    KERAS_BACKEND=jax python benchmarks/bench_transformer.py [--batch 32] [--length 64] [--width 128]
+        [--steps 10] [--dropout 0.1]
 """
 
 import argparse
@@ -43,7 +44,7 @@ def build(kind, n, args):
 
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=VOCABULARY, num_layers=args.layers, num_heads=2, hidden_dim=args.width,
-        intermediate_dim=4 * args.width, max_sequence_length=args.length, dropout=0)
+        intermediate_dim=4 * args.width, max_sequence_length=args.length, dropout=args.dropout)
     ids = keras.Input((args.length,), dtype="int32")
     out = backbone({"token_ids": ids, "segment_ids": keras.ops.zeros_like(ids),
                     "padding_mask": keras.ops.ones_like(ids)})
@@ -89,6 +90,8 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the encoder's dropout rate: random layers draw per-example values")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--child")
@@ -98,12 +101,13 @@ def main():
     import keras
 
     print(f"backend={keras.backend.backend()} BERT encoder: {args.layers} layers, width {args.width}, "
-          f"T={args.length}, b={args.batch}; wall time of one fit / its steps ({args.steps} steps after "
-          f"{args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
+          f"T={args.length}, b={args.batch}, dropout {args.dropout}; wall time of one fit / its steps "
+          f"({args.steps} steps after {args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
     res = {}
     for kind in args.kinds:
         cmd = [sys.executable, __file__, "--child", kind] + [
-            f"--{k}={getattr(args, k)}" for k in ("batch", "length", "width", "layers", "steps", "warmup")]
+            f"--{k}={getattr(args, k)}" for k in ("batch", "length", "width", "layers", "steps", "warmup",
+                                                  "dropout")]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:

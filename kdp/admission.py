@@ -49,8 +49,9 @@ def probe_batch(model, rng, like=None):
     ``segment_ids`` and ``padding_mask``). Float inputs are standard normal;
     integer and boolean inputs are 0 or 1, valid token ids and mask values
     whatever the vocabulary. Unknown sizes other than the batch's are taken
-    from ``dataset_metadata.input_shape`` for a single input (a model without
-    ``dataset_metadata``, e.g. a contrastive encoder, needs known inputs), else 3.
+    from ``dataset_metadata.input_shape`` for a single input, else 3 (a model
+    without ``dataset_metadata``, e.g. a contrastive encoder, needs declared
+    inputs or ``like``).
     """
     meta = getattr(model, "dataset_metadata", None)
     struct = getattr(model, "_inputs_struct", None)  # a functional model's, as given

@@ -450,7 +450,8 @@ def test_an_encoder_without_declared_inputs_is_probed_like_the_training_rows(mix
 def test_batch_normalization_in_inference_is_admitted_with_a_warning():
     """Negative control: with ``training=False`` a BatchNormalization is a fixed
     per-example map (its statistics must be public): admitted, and it trains."""
-    encoder = keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    encoder = keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(4),
+                                keras.layers.BatchNormalization()])
     with pytest.warns(UserWarning, match="BatchNormalization runs in inference mode"):
         trainer = ContrastiveTrainer(encoder, DP_InfoNCE(), "logit-dp", batch_size=4,
                                      noise_multiplier=1.0, delta=1e-3)
