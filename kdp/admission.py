@@ -40,29 +40,28 @@ class AdmissionError(ValueError):
     """The model's training forward pass does something the noise does not cover."""
 
 
-def probe_batch(model, rng, like=None):
-    """A small random batch shaped like the model's inputs (or like the rows of
-    ``like``, a structure of arrays, for a model that declares no inputs): ``(x, rows)``.
+def probe_batch(model, rng, rows_like=None):
+    """A small batch for probing the model: ``(x, rows)``.
 
-    ``x`` has the structure of the model's inputs (an array, or the dict or list
-    of a multi-input model, e.g. a keras_hub backbone's ``token_ids``,
-    ``segment_ids`` and ``padding_mask``). Float inputs are standard normal;
-    integer and boolean inputs are 0 or 1, valid token ids and mask values
-    whatever the vocabulary. Unknown sizes other than the batch's are taken
-    from ``dataset_metadata.input_shape`` for a single input, else 3 (a model
-    without ``dataset_metadata``, e.g. a contrastive encoder, needs declared
-    inputs or ``like``).
+    Given ``rows_like`` (a structure of arrays, e.g. training rows), ``x`` is a
+    copy of its first rows (at most 4). Otherwise ``x`` is random, with the
+    structure of the model's inputs (an array, or the dict or list of a
+    multi-input model, e.g. a keras_hub backbone's ``token_ids``,
+    ``segment_ids`` and ``padding_mask``): float inputs standard normal,
+    integer and boolean inputs 0 or 1 (valid token ids and mask values whatever
+    the vocabulary); unknown sizes other than the batch's are taken from
+    ``dataset_metadata.input_shape`` for a single input, else 3.
     """
+    if rows_like is not None:
+        x = keras.tree.map_structure(lambda a: np.array(a[:_PROBE_ROWS]), rows_like)
+        return x, len(keras.tree.flatten(x)[0])
     meta = getattr(model, "dataset_metadata", None)
     struct = getattr(model, "_inputs_struct", None)  # a functional model's, as given
-    if struct is None and like is not None:
-        struct = keras.tree.map_structure(
-            lambda a: keras.KerasTensor((None,) + np.shape(a)[1:], dtype=np.asarray(a).dtype.name), like)
     if struct is None:
         struct = getattr(model, "inputs", None)
     if struct is None:
         if meta is None:
-            raise ValueError(f"{model.name}: declares no inputs; give rows like its inputs")
+            raise ValueError(f"{model.name}: declares no inputs; probe it with rows like its inputs")
         struct = keras.KerasTensor((None,) + tuple(meta.input_shape))
     if isinstance(struct, (list, tuple)) and len(struct) == 1:
         struct = struct[0]

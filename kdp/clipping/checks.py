@@ -54,9 +54,12 @@ def warn_fixed_statistics(model, frozen_only):
 
 
 def _perturb_row(x, k, rng):
+    """``x`` with row ``k`` changed: random floats; integers and booleans (token ids,
+    masks) from another row, else 0 or 1, so that they stay valid."""
     x = x.copy()
     if x.dtype.kind in "iub":
-        x[k] = (1 - x[k].astype("int64")).astype(x.dtype)
+        other = x[(k + 1) % len(x)]
+        x[k] = other if not np.array_equal(other, x[k]) else np.zeros_like(x[k]) if x[k].any() else 1
     else:
         x[k] = rng.normal(size=x[k].shape).astype(x.dtype)
     return x
@@ -78,7 +81,7 @@ CLIPPING_NEEDS = ("the clipped per-example gradients would not be those of the c
                   "example alone.")
 
 
-def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS, like=None):
+def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS, data=None):
     """Refuse a model whose output for one example depends on other examples.
 
     The clipped sum does not rest on this check: `clipped_gradient_sum` runs
@@ -100,14 +103,15 @@ def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS, l
             when it has one: `kdp.admission.probe_batch`).
         modes: the ``training`` values probed.
         why: what the mixing would break, ending the error's message.
-        like: rows shaped like the inputs, for a model that declares none (a
-            subclassed model): the probe takes their shapes and dtypes, not their values.
+        data: rows of data (a structure of arrays) to probe with instead of random
+            ones (`kdp.admission.probe_batch`): a model that declares no inputs
+            needs them.
 
     Raises:
         ClippingError: naming the mixing (e.g. a Lambda centring over the batch axis).
     """
     rng = np.random.default_rng(0)
-    x, rows = admission.probe_batch(model, rng, like)
+    x, rows = admission.probe_batch(model, rng, data)
     fixed_batch = model.inputs[0].shape[0] is not None if getattr(model, "inputs", None) else False
     if not fixed_batch:
         x = keras.tree.map_structure(lambda a: np.concatenate([a, a[:1], np.zeros_like(a[:1])]), x)

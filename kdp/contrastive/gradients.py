@@ -41,31 +41,29 @@ _PAIRS_NEED = ("every per-pair gradient would change when a pair is removed, so 
                "normalisation (LayerNormalization, GroupNormalization, kdp.layers.DP_LayerCentering).")
 
 
-def check_encoder(encoder, like=None):
+def check_encoder(encoder, data=None):
     """Admit ``encoder`` for what its inference pass does (the contrastive trainers call
     it with ``training=False``, through ``stateless_call``: a variable it writes is
     discarded, a loss term it adds never enters the gradient).
 
     Raises `kdp.clipping.ClippingError` if one example's embedding changes when
-    another example of its batch is perturbed or removed (a probe batch with a
-    repeated and an all-zero row: `kdp.clipping.checks.check_examples_independent`).
-    Warns for a ``BatchNormalization``: in inference it is a fixed per-example map,
-    whose statistics must be public.
+    another example of its batch is perturbed or removed (the probe of
+    `kdp.clipping.checks.check_examples_independent`: a few rows, a repeated one
+    and an all-zero one). Warns for a ``BatchNormalization``: in inference it is a
+    fixed per-example map, whose statistics must be public (without ``data``).
 
     Args:
         encoder: a built Keras model.
-        like: training rows (a structure of arrays), whose shapes the probe takes
-            when the encoder declares no inputs (a subclassed model).
-
-    Returns:
-        Whether the encoder was probed: False for one that declares no inputs
-        when ``like`` is None (then call again with the training rows).
+        data: training rows (a structure of arrays) to probe with; by default
+            random rows shaped like the encoder's declared inputs, and nothing is
+            probed for an encoder that declares none (a subclassed model: probe it
+            again with its training rows).
     """
-    if like is None and getattr(encoder, "inputs", None) is None:
-        return False
-    check_examples_independent(encoder, modes=(False,), why=_PAIRS_NEED, like=like)
-    warn_fixed_statistics(encoder, frozen_only=False)
-    return True
+    if data is None:  # when the trainer is made: warn once
+        warn_fixed_statistics(encoder, frozen_only=False)
+        if getattr(encoder, "inputs", None) is None:
+            return
+    check_examples_independent(encoder, modes=(False,), why=_PAIRS_NEED, data=data)
 
 
 class PairGradients:
@@ -89,7 +87,7 @@ class PairGradients:
     def __init__(self, encoder, loss, block_rows=None, method="gram"):
         if method not in ("gram", "blocks"):
             raise ValueError(f"method must be 'gram' or 'blocks', got {method!r}")
-        self.admitted = check_encoder(encoder)
+        check_encoder(encoder)
         self.method = method
         self.encoder = encoder
         self.loss = loss

@@ -275,23 +275,8 @@ class ContrastiveTrainer:
             self.noise_multiplier = privacy.calibrate_noise_multiplier(
                 self.target_epsilon, self.sampling_rate, epochs * steps, self.delta,
                 "rdp")  # the accountant `privacy_spent` reports
-        self._check_independence(keras.tree.map_structure(lambda a: a[: min(n, 4)], x))
+        check_encoder(self.encoder, data=x)  # the probe on training rows, before anything is spent
         return x, xp, steps
-
-    def _check_independence(self, x):
-        if not self.engine.admitted:  # an encoder without declared inputs: probed like x
-            self.engine.admitted = check_encoder(self.encoder, like=x)
-        params, others = self.engine.variables()
-        batch = np.asarray(self.engine.features(params, others, _tensors(x)))
-        for k in range(_rows(x)):
-            one = keras.tree.map_structure(lambda a: a[k:k + 1], x)
-            alone = np.asarray(self.engine.features(params, others, _tensors(one)))
-            if not np.allclose(batch[k], alone[0], rtol=1e-4, atol=1e-5):
-                raise ValueError(
-                    f"{self.encoder.name}: the embedding of an example depends on the other "
-                    "examples of the batch (a batch-mixing layer?): the contrastive sensitivity "
-                    "bounds need an encoder that processes examples independently"
-                )
 
     @property
     def sampling_rate(self):
