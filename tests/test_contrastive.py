@@ -447,6 +447,46 @@ def test_an_encoder_without_declared_inputs_is_probed_like_the_training_rows(mix
         assert trainer.privacy_ledger.training_steps() == 1
 
 
+class _StateCarrier(keras.layers.Layer):
+    """Adds to every row the mean of the previous batch and writes this batch's, in
+    inference too: a channel from one step's examples to the next step's embeddings."""
+
+    def build(self, shape):
+        self.m = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False, name="m")
+
+    def call(self, x, training=None):
+        out = x + self.m
+        self.m.assign(ops.mean(x, axis=0))
+        return out
+
+
+def test_a_loss_term_or_a_state_the_encoder_writes_reaches_nothing():
+    """Adversarial: an ``add_loss`` term and a variable written in inference are
+    admitted because they reach nothing: the Logit-DP gradient is that of the same
+    encoder without them, and after `fit` the written variable is still its initial
+    value (`stateless_call` drops the new state). Control: called directly, the
+    layer does write it."""
+    from test_admission import _AddLoss
+
+    def encoder(*extra):
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(4), *extra])
+
+    x = np.random.default_rng(0).normal(size=(20, DIM)).astype("float32")
+    gradients = []
+    for extra in ((), (_AddLoss(name="adds_a_loss"),), (_StateCarrier(name="carries_state"),)):
+        trainer = ContrastiveTrainer(encoder(*extra), DP_InfoNCE(), "logit-dp", batch_size=4, clip_norm=0.5,
+                                     noise_multiplier=1.0, delta=1e-3)
+        gradients.append(np.concatenate([np.ravel(g) for g in trainer.batch_gradient(x[:8], x[8:16])[0]]))
+    np.testing.assert_allclose(gradients[1], gradients[0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(gradients[2], gradients[0], rtol=1e-6, atol=1e-7)
+    trainer.fit(x, x, steps_per_epoch=2)
+    state = trainer.encoder.layers[-1].m
+    assert np.all(np.asarray(state) == 0.0)
+    trainer.encoder(x[:4])
+    assert np.any(np.asarray(state) != 0.0)  # the write that was dropped
+
+
 def test_batch_normalization_in_inference_is_admitted_with_a_warning():
     """Negative control: with ``training=False`` a BatchNormalization is a fixed
     per-example map (its statistics must be public): admitted, and it trains."""
