@@ -15,15 +15,32 @@ such products.
 ``BatchMatMulV2`` for a batch of examples times a loop-invariant matrix
 (an unstacked ``w`` whose batch axes are all 1) by one 2-D product of the
 flattened rows: the same numbers, one kernel call and no broadcast; every
-other case keeps TensorFlow's own conversion.
+other case keeps TensorFlow's own conversion. It also keeps ``pfor``'s warning
+"Using a while_loop for converting <op>" off the console for random ops
+(``StatelessRandomUniformV2`` and the like, from ``Dropout``): kdp draws each
+example's random values on purpose (the gradient of the computation the batch
+ran), so the loop is expected, once per op and trace; other ops still warn.
 """
 
 import contextlib
+import logging
 import threading
 
 _LOCK = threading.Lock()
 _ACTIVE = [0]  # nesting depth of `vectorization`
 _ORIGINAL = {}
+
+
+class _RandomLoopFilter(logging.Filter):
+    """Drops ``pfor``'s "Using a while_loop for converting <op>" for random ops."""
+
+    def filter(self, record):
+        message = record.getMessage()
+        return not (message.startswith("Using a while_loop for converting ")
+                    and "Random" in message.split(" ")[5])
+
+
+_FILTER = _RandomLoopFilter()
 
 
 def _convert_batch_matmul(pfor_input):
@@ -56,8 +73,9 @@ def _convert_batch_matmul(pfor_input):
 @contextlib.contextmanager
 def vectorization():
     """While active, ``tf.vectorized_map`` and ``GradientTape.jacobian`` (traced in
-    this process) convert a batch-times-matrix product with `_convert_batch_matmul`.
-    Re-entrant; the registry is restored when the outermost use ends."""
+    this process) convert a batch-times-matrix product with `_convert_batch_matmul`,
+    and ``pfor``'s loop warnings for random ops are dropped (`_RandomLoopFilter`).
+    Re-entrant; the registry and the logger are restored when the outermost use ends."""
     from tensorflow.python.ops.parallel_for import pfor
 
     registry = getattr(pfor, "_pfor_converter_registry", None)
@@ -68,6 +86,7 @@ def vectorization():
         if _ACTIVE[0] == 0:
             _ORIGINAL["BatchMatMulV2"] = registry["BatchMatMulV2"]
             registry["BatchMatMulV2"] = _convert_batch_matmul
+            logging.getLogger("tensorflow").addFilter(_FILTER)
         _ACTIVE[0] += 1
     try:
         yield
@@ -76,3 +95,4 @@ def vectorization():
             _ACTIVE[0] -= 1
             if _ACTIVE[0] == 0:
                 registry["BatchMatMulV2"] = _ORIGINAL.pop("BatchMatMulV2")
+                logging.getLogger("tensorflow").removeFilter(_FILTER)

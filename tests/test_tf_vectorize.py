@@ -61,6 +61,48 @@ def test_tensorflows_conversion_is_restored_after_nested_uses_and_errors():
         with vectorization():
             raise RuntimeError("inside")
     assert _registry()["BatchMatMulV2"] is original
+    assert _tf_vectorize._FILTER not in __import__("logging").getLogger("tensorflow").filters
+
+
+def _vectorize_a_random_op_and_an_unconverted_op():
+    """Vectorizes per-example dropout-like noise (random ops) and an op pfor loops over
+    (a string join), and returns the ops pfor said it loops over."""
+    import logging
+
+    import tensorflow as tf
+
+    said = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Record(level=logging.WARNING)
+    logger = logging.getLogger("tensorflow")
+    logger.addHandler(handler)
+    try:
+        def one(xi):
+            seed = tf.cast(xi[:2], "int32")  # a seed per example, as kdp gives random layers
+            noise = tf.random.stateless_uniform(tf.shape(xi), seed=seed)
+            return xi * noise, tf.strings.reduce_join(tf.strings.as_string(xi))
+
+        with vectorization():
+            tf.vectorized_map(one, tf.reshape(tf.range(12.0), (4, 3)), fallback_to_while_loop=True)
+        inside = list(said)
+        said.clear()
+        tf.vectorized_map(one, tf.reshape(tf.range(12.0), (4, 3)), fallback_to_while_loop=True)
+    finally:
+        logger.removeHandler(handler)
+    ops = lambda messages: {m.split(" ")[5] for m in messages if m.startswith("Using a while_loop")}
+    return ops(inside), ops(said)
+
+
+def test_loop_warnings_for_random_ops_are_dropped_and_others_kept():
+    inside, outside = _vectorize_a_random_op_and_an_unconverted_op()
+    random_ops = {op for op in outside if "Random" in op}
+    assert random_ops, f"pfor loops over no random op here: {outside}"  # what the filter must drop
+    assert not inside & random_ops, inside
+    assert inside == outside - random_ops and inside, (inside, outside)  # other ops still warn
 
 
 RAW_PRODUCT = """
