@@ -42,6 +42,7 @@ BUILDERS = {
     "09_audit.ipynb": ("build_09_audit.py", "CELLS"),
     "10_data_from_disk.ipynb": ("build_10_data_from_disk.py", "CELLS"),
     "11_tables.ipynb": ("build_11_tables.py", "CELLS"),
+    "12_fine_tuning.ipynb": ("build_12_fine_tuning.py", "CELLS"),
 }
 MAX_KB = 300  # execute_notebooks.py aims at < 200 KB: small figures, verbose=0/2 fits
 
@@ -188,6 +189,12 @@ def _dpcl(what):
     return A.epsilon(A.step_event(sigmas, 50000, 128), row["steps"], 1e-5)[0]
 
 
+def _fine_tuning_sigma(nb_samples, epsilon):
+    from kdp.finetuning import fine_tuning_recipe
+
+    return fine_tuning_recipe(nb_samples, epsilon, train="head").noise_multiplier
+
+
 #: notebook -> [(a pattern whose group is a number in the stored outputs, what the
 #: current code gives for it with the notebook's full configuration)]. A per-layer model
 #: of n kernels adds one Gaussian of σ_eff = σ/√n per step (`make_private` calibrates σ_eff).
@@ -229,6 +236,8 @@ KEY_FIGURES = {
                                  lambda: _epsilon(4.0 / math.sqrt(2), 240))],
     "11_tables.ipynb": [  # the recipe: N = 6000, b = 512, 60 epochs of 12 steps
         (r"training sigma ([\d.]+) alone", lambda: _sigma(3.0, 512 / 6000, 720))],
+    "12_fine_tuning.ipynb": [  # the recipe for the 1,144 private sentences at epsilon = 3
+        (r"noise_multiplier = ([\d.]+): kdp's accountant", lambda: _fine_tuning_sigma(1144, 3.0))],
 }
 
 
