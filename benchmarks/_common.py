@@ -1,11 +1,12 @@
 """Shared by the benchmark scripts: the time of a step as a user sees it
-(`fit_step_time`), a per-step callback timer, the peak memory reading and the
-Clipless MLP they all time."""
+(`fit_step_time`), a per-step callback timer, the peak memory reading
+(`_memory.peak_rss_mb`) and the Clipless MLP they all time."""
 
 import time
 
 import keras
 import numpy as np
+from _memory import peak_rss_mb  # noqa: F401  (re-exported for the scripts)
 
 
 def fit_step_time(model, x, y, batch_size, steps, warmup):
@@ -67,23 +68,6 @@ class StepTimer(keras.callbacks.Callback):
 
     def median(self):
         return float(np.median(self.times))
-
-
-def peak_rss_mb():
-    """This process's peak RSS in MB (it sees XLA's and TensorFlow's allocators):
-    ``VmHWM`` on Linux, reset by ``exec``, unlike ``ru_maxrss``, which a child
-    started by `subprocess` can inherit from its parent's peak; elsewhere
-    `resource.getrusage`."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def clipless_mlp(nb_samples, batch_size, activation="groupsort", **dp_parameters):
