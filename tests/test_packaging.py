@@ -112,3 +112,39 @@ except ModuleNotFoundError as e:
     name, message = result.stdout.strip().splitlines()[-1].split(" | ")
     assert name == "tensorflow" and "set by KERAS_BACKEND" in message
     assert "pip install 'kdp[tensorflow]'" in message and "KERAS_BACKEND=jax" in message
+
+
+def _notebook_imports():
+    """The top-level modules the notebooks' code cells import, beyond the standard library and kdp."""
+    import ast
+    import glob
+
+    import nbformat
+
+    modules = set()
+    for path in glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            for node in ast.walk(ast.parse(cell.source)):
+                if isinstance(node, ast.Import):
+                    modules.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    modules.add(node.module.split(".")[0])
+    return modules - set(sys.stdlib_module_names) - {"kdp"}
+
+
+def test_the_notebooks_extra_installs_what_the_notebooks_import():
+    # `pip install -e ".[notebooks]"` (the notebooks index says so) must run every notebook
+    # with a backend: each module they import comes from a declared requirement.
+    import importlib.metadata
+
+    config = _setup_cfg()
+    declared = (_names(config["options"]["install_requires"])
+                | _names(config["options.extras_require"]["notebooks"]) | BACKENDS)
+    distributions = importlib.metadata.packages_distributions()
+    modules = _notebook_imports()
+    assert {"keras", "numpy", "sklearn"} <= modules, modules  # the parse found the imports
+    missing = {module: distributions.get(module, [module]) for module in modules
+               if not {d.lower().replace("_", "-") for d in distributions.get(module, [module])} & declared}
+    assert not missing, f"imported by a notebook, not in the notebooks extra: {missing}"
