@@ -32,6 +32,8 @@ import os
 import subprocess
 import sys
 
+from _memory import print_table
+
 KINDS = ("keras", "clipping", "vmap")
 VOCABULARY = 1000
 
@@ -118,10 +120,7 @@ def main():
             continue
         res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
     base = res.get("keras", {}).get("time")
-    print(f"{'kind':>9} | {'ms/step':>8} {'/ keras':>7} | {'MB':>6}")
-    for kind, r in res.items():
-        ratio = r["time"] / base if base else float("nan")
-        print(f"{kind:>9} | {r['time'] * 1e3:8.1f} {ratio:7.2f} | {r['peak_mb']:6.0f}", flush=True)
+    print_table(res, "keras")
 
 
 if __name__ == "__main__":

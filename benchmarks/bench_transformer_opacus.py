@@ -39,6 +39,7 @@ import sys
 import time
 
 import torch
+from _memory import print_table
 from torch import nn
 
 KINDS = ("torch", "hooks", "ghost")
@@ -161,11 +162,7 @@ def main():
             sys.stderr.write(out.stderr[-2000:])
             continue
         res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    base = res.get("torch", {}).get("time")
-    print(f"{'kind':>9} | {'ms/step':>8} {'/ torch':>7} | {'MB':>6}")
-    for kind, r in res.items():
-        ratio = r["time"] / base if base else float("nan")
-        print(f"{kind:>9} | {r['time'] * 1e3:8.1f} {ratio:7.2f} | {r['peak_mb']:6.0f}", flush=True)
+    print_table(res, "torch")
 
 
 if __name__ == "__main__":
