@@ -159,8 +159,24 @@ class DPModelMixin:
 
     def train_step(self, *args):
         """Keras' step (the objective is `compute_loss`); its logs reshaped where
-        Keras 3 could not reduce them over several TensorFlow workers."""
-        return distribute.logs_for_reduction(self, super().train_step(*args))
+        Keras 3 could not reduce them over several TensorFlow workers. With
+        clipping, the predictions of the step are those of the per-example pass
+        (`kdp.training.objective.pass_outputs`)."""
+        with objective.pass_outputs(self):
+            return distribute.logs_for_reduction(self, super().train_step(*args))
+
+    def compute_loss_and_updates(self, *args, **kwargs):
+        """JAX's stateless loss (Keras), with the predictions it returns for the
+        metrics replaced by the per-example pass's where it offered them."""
+        loss, (unscaled, y_pred, non_trainable, metrics) = super().compute_loss_and_updates(*args, **kwargs)
+        outputs = objective.take_pass_outputs(self)
+        return loss, (unscaled, y_pred if outputs is None else outputs, non_trainable, metrics)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        """Keras' metrics, on the per-example pass's predictions where the step's
+        objective offered them (TensorFlow; on JAX `compute_loss_and_updates` took them)."""
+        outputs = objective.take_pass_outputs(self)
+        return super().compute_metrics(x, y, y_pred if outputs is None else outputs, sample_weight)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         iterator, data_batch = distribute.build_inputs(self, iterator, data_batch)

@@ -192,6 +192,33 @@ def test_training_objective_gradient_is_clipped_sum_plus_noise(physical_batch_si
         assert _rel_err(np.asarray(g1) - np.asarray(g0), np.asarray(expected[v.path]) / BATCH) < 1e-4
 
 
+@pytest.mark.parametrize("kind, physical_batch_size", [("dense", None), ("embedding_layernorm", None),
+                                                       ("dense", 6)])
+def test_a_steps_metrics_are_those_of_the_per_example_pass(kind, physical_batch_size, monkeypatch):
+    """The step's predictions come from the per-example pass (Keras' forward pass is
+    then unused): its metrics (unweighted, Keras' ``metrics``) equal those of the
+    model before the update; with virtual batches Keras' own predictions serve,
+    with the same values."""
+    from kdp.training import objective as training_objective
+
+    model, x, y, w = _build(kind, physical_batch_size=physical_batch_size)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE,
+                  metrics=[keras.metrics.SparseCategoricalAccuracy("acc"),
+                           keras.metrics.SparseCategoricalCrossentropy("xent", from_logits=True)])
+    taken = []
+    take = training_objective.take_pass_outputs
+    monkeypatch.setattr(training_objective, "take_pass_outputs",
+                        lambda m: taken.append(take(m)) or taken[-1])
+    logits = np.asarray(model.predict(x, verbose=0))
+    logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+    xent = -(logits - np.log(np.exp(logits).sum(1, keepdims=True)))[np.arange(BATCH), y]
+    assert logs["acc"] == pytest.approx(np.mean(logits.argmax(1) == y), abs=1e-6)
+    assert logs["xent"] == pytest.approx(np.mean(xent), rel=1e-4)
+    offered = [t for t in taken if t is not None]
+    assert len(offered) == (0 if physical_batch_size else 1), taken
+    assert not model.__dict__["_kdp_pass_outputs"].outputs  # nothing left for a later trace
+
+
 @pytest.mark.parametrize("mode", ["flat", "per-layer"])
 def test_noise_std_is_sigma_c_over_b(mode):
     sigma, c = 1.3, 0.7

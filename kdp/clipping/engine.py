@@ -8,7 +8,8 @@ from kdp.clipping.kinds import Probes, ghost_layers, kind_of
 from kdp.clipping.groups import _owners, group_clipping_norms
 
 
-def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, with_losses=False):
+def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, with_losses=False,
+                         with_outputs=False):
     """``{variable.path: Σ_i clip(∇_v (w_i ℓ_i))}`` on one batch, vectorized.
 
     Flat clipping scales example ``i``'s whole gradient by
@@ -29,11 +30,14 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
         first_row: the index of ``x``'s first row in the step's batch (the
             examples' random seeds, `autodiff.ExampleSeeds`).
         with_losses: also return the pass's losses.
+        with_outputs: also return the pass's outputs (with ``with_losses``).
 
     Returns:
         The sums; with ``with_losses``, ``(sums, losses)``, ``losses[i] = w_i ℓ_i``
         (float32, shape ``(batch,)``) of the same pass: its random draws, ``ℓ_i``
-        the mean over the example's augmented views.
+        the mean over the example's augmented views; with ``with_outputs`` too,
+        ``(sums, losses, outputs)``: the model's outputs for the batch, each
+        example's from its own pass (``None`` with several augmented views).
     """
     x = keras.tree.map_structure(ops.convert_to_tensor, x)
     y = ops.convert_to_tensor(y)
@@ -61,6 +65,7 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
             views=model.dp_parameters.augmentation_multiplicity, first_row=first_row,
             with_values=True)
         called = probes.called()
+    *aux, outputs = aux
 
     calls = {}  # id(layer) -> (layer, [(aux, cotangent) per call])
     for layer, a, g in zip(called, aux, cotangents):
@@ -91,7 +96,13 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
     for v, g in zip(others, grads):
         out[v.path] = ops.tensordot(factors[group(v)], g, axes=1)
     sums = {v.path: ops.cast(out[v.path], v.dtype) for v in trainable}  # the variable's dtype
-    return (sums, ops.cast(losses, "float32")) if with_losses else sums
+    if not with_losses:
+        return sums
+    if not with_outputs:
+        return sums, ops.cast(losses, "float32")
+    views = model.dp_parameters.augmentation_multiplicity
+    outputs = None if views > 1 else keras.tree.map_structure(lambda t: t[:, 0], outputs)
+    return sums, ops.cast(losses, "float32"), outputs
 
 
 def _chunked_sum(model, x, y, weights, chunk, with_losses=False):
@@ -139,13 +150,19 @@ def _rows(t, start, size):
     return ops.slice(t, begin, shape)
 
 
-def clipped_objective(model, x, y, values, sample_weight):
-    """The clipping-mode data term: value ``Σ w_i ℓ_i / b``, gradient ``ḡ / b``.
+def clipped_objective(model, x, y, sample_weight):
+    """The clipping-mode data term: value ``Σ w_i ℓ_i / b``, gradient ``ḡ / b``, and
+    the model's outputs for the batch.
 
-    ``values`` are weighted per-example losses (used for the value only), e.g.
-    those of Keras' forward pass; ``None``: those of the pass that computes ḡ
-    (its random draws, its mean over augmented views). The noise term is added
-    by the model.
+    The losses ``w_i ℓ_i`` and the outputs are those of the per-example pass that
+    computes ḡ (its random draws, its mean over augmented views), so the step
+    needs no other forward pass: Keras' own is left unused (a compiler drops
+    it) when the outputs replace its predictions (`kdp.model.DP_Model`). The
+    outputs are ``None`` with virtual batches or several augmented views. The
+    noise term is added by the model.
+
+    Returns:
+        ``(objective, outputs)``.
     """
     b = model.dataset_metadata.batch_size
     x = keras.tree.map_structure(ops.convert_to_tensor, x)
@@ -153,15 +170,13 @@ def clipped_objective(model, x, y, values, sample_weight):
     weights = (ops.ones((ops.shape(y)[0],), "float32") if sample_weight is None
                else ops.reshape(ops.cast(sample_weight, "float32"), (-1,)))
     chunk = model.dp_parameters.physical_batch_size
-    own = values is None
     if chunk:
-        gbar = _chunked_sum(model, x, y, weights, chunk, with_losses=own)
+        (gbar, values), outputs = _chunked_sum(model, x, y, weights, chunk, with_losses=True), None
     else:
-        gbar = clipped_gradient_sum(model, x, y, weights, with_losses=own)
-    if own:
-        gbar, values = gbar
+        gbar, values, outputs = clipped_gradient_sum(model, x, y, weights, with_losses=True,
+                                                     with_outputs=True)
     total = ops.stop_gradient(ops.sum(values) / b)
     for v in model.trainable_variables:
         value = v.value
         total = total + ops.sum((value - ops.stop_gradient(value)) * ops.stop_gradient(gbar[v.path] / b))
-    return total
+    return total, outputs

@@ -24,7 +24,9 @@ executes, multiplied by a host check that spends one of the gate's credits for
 the plan (`PrivacyGate.consume`): a step that was not recorded cannot run.
 """
 
+import contextlib
 import math
+import threading
 
 import keras
 from keras import ops
@@ -92,16 +94,49 @@ def _zero_with_gradient(*args):
     return ops.zeros(()), gradient
 
 
+@contextlib.contextmanager
+def pass_outputs(model):
+    """While active (around Keras' ``train_step``), the clipping objective offers the
+    outputs of its per-example pass in place of Keras' predictions, and
+    `take_pass_outputs` takes them once, in the same traced step (for the metrics
+    and the step's ``y_pred``): Keras' forward pass, left unused, is dropped by the
+    compiler. One slot per thread (TensorFlow traces replicas in threads)."""
+    slots = model.__dict__.setdefault("_kdp_pass_outputs", threading.local())
+    slots.outputs = []
+    try:
+        yield
+    finally:
+        slots.outputs = None
+
+
+def _offer_pass_outputs(model, outputs):
+    slot = getattr(model.__dict__.get("_kdp_pass_outputs"), "outputs", None)
+    if slot is not None and outputs is not None:
+        slot[:] = [outputs]
+
+
+def take_pass_outputs(model):
+    """The outputs the clipping objective offered within the current `pass_outputs`,
+    once; ``None`` if there are none (outside a training step, Clipless models,
+    virtual batches, several augmented views)."""
+    slot = getattr(model.__dict__.get("_kdp_pass_outputs"), "outputs", None)
+    return slot.pop() if slot else None
+
+
 def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
     """The training objective (noisy when ``training``; the gate must be open).
 
     Outside training (`evaluate`, ``val_loss``, `test_on_batch`) the loss means
     what it means in Keras: the weighted per-example losses averaged over the
     batch's rows (``sum_over_batch_size``), plus the regularization losses."""
-    values = model.loss.call(y, y_pred)
-    if sample_weight is not None:
-        values = values * ops.reshape(ops.cast(sample_weight, values.dtype), ops.shape(values))
+    def weighted_losses():
+        values = model.loss.call(y, y_pred)
+        if sample_weight is None:
+            return values
+        return values * ops.reshape(ops.cast(sample_weight, values.dtype), ops.shape(values))
+
     if not training:
+        values = weighted_losses()
         rows = ops.cast(ops.shape(values)[0], values.dtype)
         total = ops.sum(values) / ops.maximum(rows, 1.0)
         return total + sum(model.losses) if model.losses else total
@@ -109,13 +144,13 @@ def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
     gate = model.privacy_gate
     gate.require_open(plan=plan)
     if plan.clipping_norm is not None:
-        if autodiff.random_generators(model) or model.dp_parameters.augmentation_multiplicity > 1:
-            # Random draws or views of their own: the loss reported is that of the
-            # per-example pass whose gradients are clipped (it computes both).
-            values = None
-        total = clipping.clipped_objective(model, x, y, values, sample_weight)  # grad: ḡ/b
+        # The loss reported and the outputs are those of the per-example pass whose
+        # gradients are clipped (its random draws, its views): Keras' forward pass is
+        # then left unused.
+        total, outputs = clipping.clipped_objective(model, x, y, sample_weight)  # grad: ḡ/b
+        _offer_pass_outputs(model, outputs)
     else:
-        total = ops.sum(values) / plan.batch_size
+        total = ops.sum(weighted_losses()) / plan.batch_size
     # Weight penalties only (functions of the weights): a term added from the batch
     # (add_loss) is refused (`kdp.admission`) and never enters the noisy gradient.
     penalties = model._get_regularization_losses()

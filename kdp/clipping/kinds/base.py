@@ -157,10 +157,12 @@ class Probes:
 
     def example_loss(self, loss):
         """``forward`` of `autodiff.weighted_per_example_gradients`: one example's
-        loss, the records of the covered layers' calls as ``aux``."""
+        loss; as ``aux`` the records of the covered layers' calls, then the
+        example's outputs (the model's predictions in this pass)."""
         def forward(call, probe, x, y):
             self.probe, self.records = probe, []
-            value = ops.sum(per_example_loss(loss, y, call(x)))
-            return value, [a for _, a in self.records]
+            outputs = call(x)
+            value = ops.sum(per_example_loss(loss, y, outputs))
+            return value, [a for _, a in self.records] + [outputs]
 
         return forward
