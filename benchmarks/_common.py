@@ -1,12 +1,12 @@
 """Shared by the benchmark scripts: the time of a step as a user sees it
 (`fit_step_time`), a per-step callback timer, the peak memory reading
-(`_memory.peak_rss_mb`) and the Clipless MLP they all time."""
+(`_runs.peak_rss_mb`) and the Clipless MLP they all time."""
 
 import time
 
 import keras
 import numpy as np
-from _memory import peak_rss_mb  # noqa: F401  (re-exported for the scripts)
+from _runs import peak_rss_mb  # noqa: F401  (re-exported for the scripts)
 
 
 def fit_step_time(model, x, y, batch_size, steps, warmup):

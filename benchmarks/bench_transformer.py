@@ -26,13 +26,10 @@ minus the RSS after the imports).
         [--steps 10] [--dropout 0.1]
 """
 
-import argparse
 import json
 import os
-import subprocess
-import sys
 
-from _memory import print_table
+from _runs import encoder_parser, print_table, run_children
 
 KINDS = ("keras", "clipping", "vmap")
 VOCABULARY = 1000
@@ -85,18 +82,9 @@ def child(kind, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = encoder_parser(__doc__.split("\n")[0], KINDS)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the encoder's dropout rate: random layers draw per-example values")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--timeout", type=float, default=1200)
-    parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         return child(args.child, args)
@@ -105,22 +93,8 @@ def main():
     print(f"backend={keras.backend.backend()} BERT encoder: {args.layers} layers, width {args.width}, "
           f"T={args.length}, b={args.batch}, dropout {args.dropout}; wall time of one fit / its steps "
           f"({args.steps} steps after {args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
-    res = {}
-    for kind in args.kinds:
-        cmd = [sys.executable, __file__, "--child", kind] + [
-            f"--{k}={getattr(args, k)}" for k in ("batch", "length", "width", "layers", "steps", "warmup",
-                                                  "dropout")]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            sys.stderr.write(f"{kind}: over {args.timeout} s\n")
-            continue
-        if out.returncode:
-            sys.stderr.write(out.stderr[-2000:])
-            continue
-        res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    base = res.get("keras", {}).get("time")
-    print_table(res, "keras")
+    names = ("batch", "length", "width", "layers", "steps", "warmup", "dropout")
+    print_table(run_children(os.path.abspath(__file__), args, names), "keras")
 
 
 if __name__ == "__main__":

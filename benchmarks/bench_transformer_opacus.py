@@ -20,7 +20,7 @@ each in its own subprocess:
 Batches have exactly ``--batch`` rows (kdp's Poisson batches vary and are
 padded: this favours Opacus a little). Time: the wall time of ``--steps``
 steps after ``--warmup`` warm-up steps, divided by the steps; memory: peak RSS
-minus the RSS after the imports (`_memory.peak_rss_mb`). PyTorch uses its
+minus the RSS after the imports (`_runs.peak_rss_mb`). PyTorch uses its
 default threads.
 
 It needs PyTorch and Opacus, which kdp does not depend on: run it in an
@@ -31,15 +31,12 @@ install torch opacus numpy``:
         [--width 128] [--layers 2] [--steps 10]
 """
 
-import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import torch
-from _memory import print_table
+from _runs import encoder_parser, print_table, run_children
 from torch import nn
 
 KINDS = ("torch", "hooks", "ghost")
@@ -86,7 +83,7 @@ class Classifier(nn.Module):
 
 def child(kind, args):
     import numpy as np
-    from _memory import peak_rss_mb
+    from _runs import peak_rss_mb
 
     base = peak_rss_mb()
     torch.manual_seed(0)
@@ -130,17 +127,7 @@ def child(kind, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--timeout", type=float, default=1200)
-    parser.add_argument("--child")
-    args = parser.parse_args()
+    args = encoder_parser(__doc__.split("\n")[0], KINDS).parse_args()
     if args.child:
         return child(args.child, args)
     import opacus
@@ -149,20 +136,8 @@ def main():
           f"BERT encoder: {args.layers} layers, width {args.width}, T={args.length}, b={args.batch}; "
           f"wall time of {args.steps} steps after {args.warmup} warm-up steps / steps; "
           "memory = peak RSS - RSS after imports")
-    res = {}
-    for kind in args.kinds:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", kind] + [
-            f"--{k}={getattr(args, k)}" for k in ("batch", "length", "width", "layers", "steps", "warmup")]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            sys.stderr.write(f"{kind}: over {args.timeout} s\n")
-            continue
-        if out.returncode:
-            sys.stderr.write(out.stderr[-2000:])
-            continue
-        res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    print_table(res, "torch")
+    names = ("batch", "length", "width", "layers", "steps", "warmup")
+    print_table(run_children(os.path.abspath(__file__), args, names), "torch")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""Keras-free helpers of the benchmarks that run each kind in a subprocess of its
+own (the PyTorch comparison script, which runs in an environment of its own,
+shares them): the peak memory, the encoder's command-line arguments, running
+the children and the table of ratios."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+
+
+def peak_rss_mb():
+    """This process's peak RSS in MB (it sees XLA's and TensorFlow's allocators):
+    ``VmHWM`` on Linux, reset by ``exec``, unlike ``ru_maxrss``, which a child
+    started by `subprocess` can inherit from its parent's peak; elsewhere
+    `resource.getrusage`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def print_table(results, baseline):
+    """Print ``{kind: {"time": seconds a step, "peak_mb": MB}}`` with each time's and
+    memory's ratio to those of ``baseline``."""
+    base = results.get(baseline)
+    print(f"{'kind':>9} | {'ms/step':>8} {'/ ' + baseline:>8} | {'MB':>6} {'ratio':>6}")
+    for kind, r in results.items():
+        ratios = [r[key] / base[key] if base and base[key] > 0 else float("nan") for key in ("time", "peak_mb")]
+        print(f"{kind:>9} | {r['time'] * 1e3:8.1f} {ratios[0]:8.2f} | {r['peak_mb']:6.0f} {ratios[1]:6.2f}",
+              flush=True)
+
+
+def encoder_parser(description, kinds):
+    """The command line of the BERT-encoder benchmarks: the encoder's shape, the
+    steps timed, the ``kinds`` to run, a timeout per child and ``--child``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=list(kinds))
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--child")
+    return parser
+
+
+def run_children(script, args, names):
+    """``{kind: the JSON line its child printed last}`` for each of ``args.kinds``,
+    each run as ``script --child kind`` with the arguments ``names`` of ``args``;
+    a child that fails or times out is reported on stderr and left out."""
+    results = {}
+    for kind in args.kinds:
+        cmd = [sys.executable, script, "--child", kind] + [f"--{k}={getattr(args, k)}" for k in names]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            sys.stderr.write(f"{kind}: over {args.timeout} s\n")
+            continue
+        if out.returncode:
+            sys.stderr.write(out.stderr[-2000:])
+            continue
+        results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    return results
