@@ -167,10 +167,15 @@ class DPModelMixin:
 
     def compute_loss_and_updates(self, *args, **kwargs):
         """JAX's stateless loss (Keras), with the predictions it returns for the
-        metrics replaced by the per-example pass's where it offered them."""
-        loss, (unscaled, y_pred, non_trainable, metrics) = super().compute_loss_and_updates(*args, **kwargs)
+        metrics (third from the end of its auxiliary values) replaced by the
+        per-example pass's where it offered them."""
+        loss, aux = super().compute_loss_and_updates(*args, **kwargs)
         outputs = objective.take_pass_outputs(self)
-        return loss, (unscaled, y_pred if outputs is None else outputs, non_trainable, metrics)
+        if outputs is None:
+            return loss, aux
+        aux = list(aux)
+        aux[-3] = outputs  # (..., y_pred, non_trainable_variables, metrics_variables)
+        return loss, tuple(aux)
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         """Keras' metrics, on the per-example pass's predictions where the step's

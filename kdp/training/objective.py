@@ -101,16 +101,20 @@ def pass_outputs(model):
     `take_pass_outputs` takes them once, in the same traced step (for the metrics
     and the step's ``y_pred``): Keras' forward pass, left unused, is dropped by the
     compiler. One slot per thread (TensorFlow traces replicas in threads)."""
-    slots = model.__dict__.setdefault("_kdp_pass_outputs", threading.local())
-    slots.outputs = []
+    slots = model.__dict__.setdefault("_kdp_pass_outputs", {})
+    slots[threading.get_ident()] = []
     try:
         yield
     finally:
-        slots.outputs = None
+        slots.pop(threading.get_ident(), None)
+
+
+def _slot(model):
+    return model.__dict__.get("_kdp_pass_outputs", {}).get(threading.get_ident())
 
 
 def _offer_pass_outputs(model, outputs):
-    slot = getattr(model.__dict__.get("_kdp_pass_outputs"), "outputs", None)
+    slot = _slot(model)
     if slot is not None and outputs is not None:
         slot[:] = [outputs]
 
@@ -119,7 +123,7 @@ def take_pass_outputs(model):
     """The outputs the clipping objective offered within the current `pass_outputs`,
     once; ``None`` if there are none (outside a training step, Clipless models,
     virtual batches, several augmented views)."""
-    slot = getattr(model.__dict__.get("_kdp_pass_outputs"), "outputs", None)
+    slot = _slot(model)
     return slot.pop() if slot else None
 
 
