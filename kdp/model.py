@@ -158,30 +158,20 @@ class DPModelMixin:
         stepping.set_cotangent_scale(self)
 
     def train_step(self, *args):
-        """Keras' step (the objective is `compute_loss`); its logs reshaped where
-        Keras 3 could not reduce them over several TensorFlow workers. With
-        clipping, the predictions of the step are those of the per-example pass
-        (`kdp.training.objective.pass_outputs`)."""
+        """Keras' step (the objective is `compute_loss`; with clipping, its predictions
+        from the per-example computation, `kdp.training.objective.pass_outputs`);
+        its logs reshaped where Keras 3 could not reduce them over several TensorFlow workers."""
         with objective.pass_outputs(self):
             return distribute.logs_for_reduction(self, super().train_step(*args))
 
     def compute_loss_and_updates(self, *args, **kwargs):
-        """JAX's stateless loss (Keras), with the predictions it returns for the
-        metrics (third from the end of its auxiliary values) replaced by the
-        per-example pass's where it offered them."""
+        """JAX's stateless loss (Keras), its predictions `objective.step_predictions`."""
         loss, aux = super().compute_loss_and_updates(*args, **kwargs)
-        outputs = objective.take_pass_outputs(self)
-        if outputs is None:
-            return loss, aux
-        aux = list(aux)
-        aux[-3] = outputs  # (..., y_pred, non_trainable_variables, metrics_variables)
-        return loss, tuple(aux)
+        return loss, objective.with_step_predictions(self, aux)
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        """Keras' metrics, on the per-example pass's predictions where the step's
-        objective offered them (TensorFlow; on JAX `compute_loss_and_updates` took them)."""
-        outputs = objective.take_pass_outputs(self)
-        return super().compute_metrics(x, y, y_pred if outputs is None else outputs, sample_weight)
+        """Keras' metrics on `objective.step_predictions` (TensorFlow's step)."""
+        return super().compute_metrics(x, y, objective.step_predictions(self, y_pred), sample_weight)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         iterator, data_batch = distribute.build_inputs(self, iterator, data_batch)

@@ -98,7 +98,7 @@ def _zero_with_gradient(*args):
 def pass_outputs(model):
     """While active (around Keras' ``train_step``), the clipping objective offers the
     outputs of its per-example pass in place of Keras' predictions, and
-    `take_pass_outputs` takes them once, in the same traced step (for the metrics
+    `step_predictions` takes them once, in the same traced step (for the metrics
     and the step's ``y_pred``): Keras' forward pass, left unused, is dropped by the
     compiler. One slot per thread (TensorFlow traces replicas in threads)."""
     slots = model.__dict__.setdefault("_kdp_pass_outputs", {})
@@ -119,12 +119,21 @@ def _offer_pass_outputs(model, outputs):
         slot[:] = [outputs]
 
 
-def take_pass_outputs(model):
-    """The outputs the clipping objective offered within the current `pass_outputs`,
-    once; ``None`` if there are none (outside a training step, Clipless models,
-    virtual batches, several augmented views)."""
+def step_predictions(model, y_pred):
+    """The predictions of the current training step: the outputs the clipping
+    objective offered within `pass_outputs` (taken once), else ``y_pred`` (outside a
+    training step, Clipless models, virtual batches, several augmented views)."""
     slot = _slot(model)
-    return slot.pop() if slot else None
+    return slot.pop() if slot else y_pred
+
+
+def with_step_predictions(model, aux):
+    """JAX's ``compute_loss_and_updates`` auxiliary values with its predictions (third
+    from the end in Keras 3's layouts: ``(..., y_pred, non_trainable_variables,
+    metrics_variables)``) replaced by `step_predictions`."""
+    aux = list(aux)
+    aux[-3] = step_predictions(model, aux[-3])
+    return tuple(aux)
 
 
 def objective(model, x, y, y_pred, sample_weight, training, seed_generator):

@@ -158,7 +158,7 @@ class Probes:
     def example_loss(self, loss):
         """``forward`` of `autodiff.weighted_per_example_gradients`: one example's
         loss; as ``aux`` the records of the covered layers' calls, then the
-        example's outputs (the model's predictions in this pass)."""
+        example's outputs (the model's predictions for it)."""
         def forward(call, probe, x, y):
             self.probe, self.records = probe, []
             outputs = call(x)
