@@ -1,13 +1,16 @@
 """Keras-free helpers of the benchmarks that run each kind in a subprocess of its
 own (the PyTorch comparison script, which runs in an environment of its own,
 shares them): the peak memory, the encoder's command-line arguments, running
-the children and the table of ratios."""
+the children, the table of ratios and XLA's buffers of a JAX step."""
 
 import argparse
+import glob
 import json
+import os
+import re
 import subprocess
 import sys
-
+import tempfile
 
 
 def peak_rss_mb():
@@ -38,6 +41,16 @@ def print_table(results, baseline):
               flush=True)
 
 
+def print_buffers(buffers, baseline, batch):
+    """Print ``{kind: {rows: MB}}`` (`xla_step_buffers`), each size's ratio to the
+    ``baseline`` kind's at ``batch`` rows."""
+    base = buffers.get(baseline, {}).get(batch, float("nan"))
+    print(f"XLA buffers of each compiled step shape (rows: MB, ratio to {baseline} at {batch} rows)")
+    for kind, sizes in buffers.items():
+        print(f"{kind:>9} | " + ", ".join(f"{rows}: {mb:.1f} ({mb / base:.2f})" for rows, mb in sorted(sizes.items())),
+              flush=True)
+
+
 def encoder_parser(description, kinds):
     """The command line of the BERT-encoder benchmarks: the encoder's shape, the
     steps timed, the ``kinds`` to run, a timeout per child and ``--child``."""
@@ -54,15 +67,17 @@ def encoder_parser(description, kinds):
     return parser
 
 
-def run_children(script, args, names):
+def run_children(script, args, names, env=None):
     """``{kind: the JSON line its child printed last}`` for each of ``args.kinds``,
-    each run as ``script --child kind`` with the arguments ``names`` of ``args``;
+    each run as ``script --child kind`` with the arguments ``names`` of ``args``
+    (and ``env``, a function of the kind returning extra environment variables);
     a child that fails or times out is reported on stderr and left out."""
     results = {}
     for kind in args.kinds:
         cmd = [sys.executable, script, "--child", kind] + [f"--{k}={getattr(args, k)}" for k in names]
+        child_env = dict(os.environ, **env(kind)) if env else None
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env)
         except subprocess.TimeoutExpired:
             sys.stderr.write(f"{kind}: over {args.timeout} s\n")
             continue
@@ -71,3 +86,30 @@ def run_children(script, args, names):
             continue
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
     return results
+
+
+def xla_step_buffers(script, args, names, step="train_step"):
+    """``{kind: {rows: MB}}``: the buffer memory XLA assigns to each compiled shape
+    of the JAX training step (parameters, outputs and temporaries: the "Total bytes
+    used" of its buffer assignment), for each of ``args.kinds``.
+
+    The step's own working memory, without what peak RSS also counts (the
+    runtime, compilation, every executable kept). Each kind runs again as a
+    child that dumps its compiled modules named ``step``; ``rows`` is the first
+    size of the step's integer input of shape ``(rows, args.length)``."""
+    with tempfile.TemporaryDirectory() as root:
+        def env(kind):
+            return {"XLA_FLAGS": f"--xla_dump_to={root}/{kind} --xla_dump_hlo_as_text "
+                                 f"--xla_dump_hlo_module_re=.*{step}.*"}
+
+        run_children(script, args, names, env)
+        found = {}
+        for kind in args.kinds:
+            for path in glob.glob(f"{root}/{kind}/*{step}*after_optimizations-buffer-assignment.txt"):
+                with open(path) as dump, open(path.replace(".txt", "-values.txt")) as values:
+                    text, total = dump.read(), re.search(r"Total bytes used: (\d+)", values.read())
+                rows = re.search(r"parameter \d+, shape \|s32\[(\d+),%d\]\|" % args.length, text)
+                if total and rows:
+                    sizes = found.setdefault(kind, {})
+                    sizes[int(rows.group(1))] = max(sizes.get(int(rows.group(1)), 0), int(total.group(1)) / 2**20)
+        return found

@@ -20,16 +20,18 @@ on token ids alone (no segments, no padding), its pooled output into a
 Each runs in its own subprocess; time and memory are measured as in
 `bench_clipping_step.py` (`_common.fit_step_time`: the wall time of one ``fit``
 of ``--steps`` steps after a warm-up, divided by its steps; memory: peak RSS
-minus the RSS after the imports).
+minus the RSS after the imports). On JAX, ``--buffers`` runs each kind again to
+print the buffers XLA assigns to each compiled shape of the step (`_runs.xla_step_buffers`):
+the step's own memory, without compilation and the runtime, which peak RSS counts.
 
     KERAS_BACKEND=jax python benchmarks/bench_transformer.py [--batch 32] [--length 64] [--width 128]
-        [--steps 10] [--dropout 0.1]
+        [--steps 10] [--dropout 0.1] [--buffers]
 """
 
 import json
 import os
 
-from _runs import encoder_parser, print_table, run_children
+from _runs import encoder_parser, print_buffers, print_table, run_children, xla_step_buffers
 
 KINDS = ("keras", "clipping", "vmap")
 VOCABULARY = 1000
@@ -85,6 +87,8 @@ def main():
     parser = encoder_parser(__doc__.split("\n")[0], KINDS)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the encoder's dropout rate: random layers draw per-example values")
+    parser.add_argument("--buffers", action="store_true",
+                        help="JAX: also the buffer memory XLA assigns to each compiled step shape")
     args = parser.parse_args()
     if args.child:
         return child(args.child, args)
@@ -95,6 +99,8 @@ def main():
           f"({args.steps} steps after {args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
     names = ("batch", "length", "width", "layers", "steps", "warmup", "dropout")
     print_table(run_children(os.path.abspath(__file__), args, names), "keras")
+    if keras.backend.backend() == "jax" and args.buffers:
+        print_buffers(xla_step_buffers(os.path.abspath(__file__), args, names), "keras", args.batch)
 
 
 if __name__ == "__main__":

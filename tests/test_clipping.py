@@ -449,3 +449,44 @@ def test_layers_mixing_the_batch_are_refused():
     # Negative controls: a per-example Lambda, and no Lambda at all, are accepted.
     for layers in ([keras.layers.Lambda(lambda t: t * 2.0)], []):
         _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), *layers, keras.layers.Dense(3)]).check_dp()
+
+
+def test_the_mixing_probe_traces_the_model_once_per_shape_on_jax(monkeypatch):
+    """On JAX the probe's forward passes run compiled: the model is traced once per
+    training mode and batch shape (2 shapes: the probe and the probe less one row),
+    not run eagerly ten times, which compiles and keeps one executable per
+    operation. Other backends run the ten passes eagerly."""
+    model = _dp_sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    calls = []
+    stateless_call = model.stateless_call
+    monkeypatch.setattr(model, "stateless_call", lambda *a, **k: calls.append(1) or stateless_call(*a, **k))
+    clipping.checks.check_examples_independent(model)
+    assert len(calls) == (4 if keras.backend.backend() == "jax" else 10)
+
+
+def test_a_batch_above_the_ladder_runs_as_virtual_batches(monkeypatch):
+    """A Poisson batch padded to the capacity (the ladder's last size) is summed in
+    virtual batches of the ladder's size below it, which caps the step's memory; the
+    gradient is unchanged: ∇objective(w) − ∇objective(0) = ḡ / b as for one pass."""
+    from kdp.clipping import engine
+    from kdp.training.sampling import poisson_batch_shapes
+
+    model, x, y, w = _build("dense", clipping_norm=0.3)
+    shapes = poisson_batch_shapes(BATCH, N)
+    assert engine.virtual_batch_rows(model, shapes[-1]) == shapes[-2]
+    assert engine.virtual_batch_rows(model, shapes[-2]) is None
+    assert engine.virtual_batch_rows(model, None) is None      # an unknown size: one pass
+    explicit = _build("dense", physical_batch_size=6)[0]        # physical_batch_size: chunks of 6 rows
+    assert [engine.virtual_batch_rows(explicit, rows) for rows in (None, 7, 6)] == [6, 6, None]
+    rows = np.arange(shapes[-1]) % BATCH
+    x, y, w = x[rows], y[rows], w[rows]
+    chunked = []
+    chunked_sum = engine._chunked_sum
+    monkeypatch.setattr(engine, "_chunked_sum", lambda *a, **k: chunked.append(a[-1]) or chunked_sum(*a, **k))
+    model(x)
+    with_data = _objective_gradient(model, x, y, w)
+    noise_only = _objective_gradient(model, x, y, np.zeros_like(w))
+    assert chunked == [shapes[-2]] * 2
+    expected = clipping.clipped_gradient_sum(model, x, y, w)
+    for v, g1, g0 in zip(model.trainable_variables, with_data, noise_only):
+        assert _rel_err(np.asarray(g1) - np.asarray(g0), np.asarray(expected[v.path]) / BATCH) < 1e-4

@@ -75,6 +75,23 @@ def _same(a, b):
     return bool(np.allclose(a, b, rtol=0.0, atol=rtol * scale, equal_nan=True))
 
 
+def _compiled_forward(model, training):
+    """``(trainable, non_trainable, x) -> outputs``: ``model``'s stateless forward pass
+    in mode ``training``; on JAX under ``jax.jit`` (one trace per input shape).
+
+    Run eagerly, JAX compiles and keeps one executable per operation and shape
+    (about 160 MB of resident memory for a two-layer BERT encoder, the whole
+    check's cost); the probe's few compiled passes are freed with the function.
+    Random layers draw from the seeds of the `autodiff.ExampleSeeds` context
+    active when a shape is traced. Other backends run it eagerly: TensorFlow's
+    eager operations compile nothing."""
+
+    def forward(trainable, non_trainable, x):
+        return model.stateless_call(trainable, non_trainable, x, training=training)[0]
+
+    return autodiff.compile_function(forward) if keras.backend.backend() == "jax" else forward
+
+
 #: why per-example clipping refuses a model that mixes its batch
 CLIPPING_NEEDS = ("the clipped per-example gradients would not be those of the computation the "
                   "batch runs. Per-example clipping needs each example's output to depend on that "
@@ -123,10 +140,12 @@ def check_examples_independent(model, modes=(True, False), why=CLIPPING_NEEDS, d
     others = [v.value for v in model.non_trainable_variables]
     seeds = autodiff.ExampleSeeds(model)
 
+    forwards = {training: _compiled_forward(model, training) for training in modes}
+
     def run(batch, training):
         seeds.start(None)
         with seeds:
-            out, _ = model.stateless_call(trainable, others, batch, training=training)
+            out = forwards[training](trainable, others, batch)
         return [ops.convert_to_numpy(o) for o in keras.tree.flatten(out)]
 
     def refuse(how, training):
