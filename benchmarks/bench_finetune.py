@@ -2,8 +2,10 @@
 from scratch, on scikit-learn's bundled digits (no download).
 
 Protocol: "public" = every image of the digits 0-4, used to pretrain an MLP
-``Dense(128, relu) → Dense(128, relu) → Dense(5)`` without privacy (Adam 1e-3,
-30 epochs, batch 64). "private" = the digits 5-9, split 70/30 (stratified,
+``Dense(128, relu) → Dense(128, relu) → Dense(5)`` (``--architecture convnet``:
+``Conv2D(16, 3) → Conv2D(32, 3) → MaxPool(2) → Dense(5)`` on the 8×8 image; its
+parts are the head and everything, Keras' LoRA covering no convolution)
+without privacy (Adam 1e-3, 30 epochs, batch 64). "private" = the digits 5-9, split 70/30 (stratified,
 seed 0): about 630 training and 270 test images. The pretrained hidden layers
 get a new head ``Dense(5)`` and are fine-tuned privately with
 `kdp.finetuning.fine_tuning_recipe` training the head, LoRA adapters (rank 4)
@@ -16,7 +18,7 @@ the target. Test accuracy on the private test split, mean ± sd over seeds
 (seeds of the initialisation, of the pretraining and of the DP noise).
 
     KERAS_BACKEND=jax python benchmarks/bench_finetune.py [--seeds 3] [--epsilons 1 3 8]
-        [--out benchmarks/results/bench_finetune_2026-11-29.md]
+        [--architecture convnet] [--out benchmarks/results/bench_finetune_2026-11-29.md]
 """
 
 import argparse
@@ -55,15 +57,31 @@ def mlp(seed):
     return keras.Model(inputs, keras.layers.Dense(5, name="head")(hidden))
 
 
+def convnet(seed):
+    """``Conv2D(16, 3) → Conv2D(32, 3) → MaxPool(2) → Dense(5)`` on the 8×8 image."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Reshape((8, 8, 1))(inputs)
+    hidden = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="h1")(hidden)
+    hidden = keras.layers.Conv2D(32, 3, padding="same", activation="relu", name="h2")(hidden)
+    hidden = keras.layers.Flatten()(keras.layers.MaxPooling2D(2)(hidden))
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(hidden))
+
+
+ARCHITECTURES = {"mlp": mlp, "convnet": convnet}
+#: the parts each architecture can train (keras' LoRA covers Dense, not Conv2D)
+ARCHITECTURE_CONFIGS = {"mlp": CONFIGS, "convnet": ("head", "all", "scratch")}
+
+
 def pretrain(public, seed):
-    model = mlp(seed)
+    model = ARCHITECTURE(seed)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS)
     model.fit(*public, epochs=30, batch_size=64, verbose=0)
     return {name: model.get_layer(name).get_weights() for name in ("h1", "h2")}
 
 
 def run(config, epsilon, seed, pretrained, train, test):
-    model = mlp(1000 + seed)       # a new head; the hidden layers from the pretraining
+    model = ARCHITECTURE(1000 + seed)      # a new head; the hidden layers from the pretraining
     if config != "scratch":
         for name, weights in pretrained.items():
             model.get_layer(name).set_weights(weights)
@@ -87,18 +105,21 @@ def main():
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="mlp")
     args = parser.parse_args()
+    global ARCHITECTURE
+    ARCHITECTURE = ARCHITECTURES[args.architecture]
     start = time.time()
     public, train, test = data()
     pretrained = [pretrain(public, s) for s in range(args.seeds)]
     rows = []
     header = (f"backend={keras.backend.backend()}, public: {len(public[0])} images of 0-4, "
               f"private: {len(train[0])} train / {len(test[0])} test images of 5-9, "
-              f"seeds={args.seeds}")
+              f"seeds={args.seeds}, {args.architecture}")
     print(header)
     for epsilon in args.epsilons:
-        auto = fine_tuning_recipe(len(train[0]), epsilon, parameters=parameter_counts(mlp(0)))
-        for config in CONFIGS:
+        auto = fine_tuning_recipe(len(train[0]), epsilon, parameters=parameter_counts(ARCHITECTURE(0)))
+        for config in ARCHITECTURE_CONFIGS[args.architecture]:
             t = time.time()
             results = [run(config, epsilon, s, pretrained[s], train, test) for s in range(args.seeds)]
             accs = np.array([a for a, _, _ in results])
