@@ -183,6 +183,10 @@ class FineTuningRecipe:
         from kdp.model import DP_Model
 
         heads = _head_layers(model, head)
+        if self.train == "lora" and not _lora_layers(model, heads):
+            raise ValueError(f"{model.name} has no Dense or EinsumDense layer outside its head for "
+                             "LoRA adapters (Keras' LoRA covers those layers): train='lora' would "
+                             "train the head alone; use train='head' or 'all'")
         _set_trainable(model, self.train, heads, self.lora_rank)
         if input_shape is None:
             input_shape = tuple(model.inputs[0].shape[1:])
@@ -277,13 +281,16 @@ def parameter_counts(model, head=None, lora_rank=LORA_RANK):
     """``{part: trained parameters}`` for ``model`` (nothing is changed): ``"head"``
     (the weights of the ``head`` layers, default the last top-level layer with
     weights), ``"lora"`` (the head and rank-``lora_rank`` adapters of every
-    `Dense` and `EinsumDense` layer outside it) and ``"all"`` (every weight)."""
+    `Dense` and `EinsumDense` layer outside it; left out when there is none, e.g.
+    a convnet, where it would train the head alone) and ``"all"`` (every weight)."""
     heads = _head_layers(model, head)
     count = sum(math.prod(v.shape) for layer in heads for v in layer.weights)
-    lora = count + sum(lora_rank * (math.prod(layer.kernel.shape[:-1]) + layer.kernel.shape[-1])
-                       for layer in _lora_layers(model, heads))
-    return {"head": int(count), "lora": int(lora),
-            "all": int(sum(math.prod(v.shape) for v in model.weights))}
+    counts = {"head": int(count), "all": int(sum(math.prod(v.shape) for v in model.weights))}
+    adapted = _lora_layers(model, heads)
+    if adapted:
+        counts["lora"] = int(count + sum(lora_rank * (math.prod(layer.kernel.shape[:-1]) + layer.kernel.shape[-1])
+                                         for layer in adapted))
+    return counts
 
 
 def _head_layers(model, head):

@@ -74,6 +74,20 @@ def test_parameter_counts():
     assert parameter_counts(_model()) == {"head": 27, "lora": 27 + 4 * (16 + 8), "all": 136 + 27}
 
 
+def test_lora_is_no_part_of_a_model_without_dense_layers_outside_its_head():
+    """A convnet whose only Dense layer is its head: LoRA would train the head alone, so
+    it is not counted (``"auto"`` cannot choose it) and asking for it is refused."""
+    inputs = keras.Input((8, 8, 1))
+    hidden = keras.layers.Flatten()(keras.layers.Conv2D(4, 3, name="c")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
+    counts = parameter_counts(model)
+    assert counts == {"head": 6 * 6 * 4 * 3 + 3, "all": 3 * 3 * 4 + 4 + 6 * 6 * 4 * 3 + 3}
+    assert fine_tuning_recipe(4096, 8.0, parameters=counts).train in ("head", "all")
+    recipe = fine_tuning_recipe(64, 3.0, train="lora")
+    with pytest.raises(ValueError, match="no Dense or EinsumDense layer outside its head"):
+        recipe.apply(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
 @pytest.mark.parametrize("part", PARTS)
 def test_apply_trains_the_chosen_part(part):
     rng = np.random.default_rng(0)
