@@ -243,24 +243,25 @@ for name, architecture, epsilon, label, mean, sd in rows:
     print(f"{name:14s} {architecture:8s} {epsilon:>4s}  {label:14s} {mean:.3f} +- {sd:.3f}")"""),
 md("""`(auto)` marks the part `train="auto"` chooses. In the stored run (3 seeds):
 
-* **the convnet**: its pretrained head alone beat DP training from scratch at
-  every ε for both kinds of public data: with other classes 0.922 / 0.957 /
-  0.967 against 0.912 / 0.948 / 0.962 at ε = 1 / 3 / 8; with the same
-  classes 0.793 / 0.898 / 0.928 (and full fine-tuning 0.815 / 0.912 / 0.931)
-  against 0.772 / 0.886 / 0.924. Full fine-tuning with other classes fell
-  behind at ε = 1 (0.895). The margins (0.004 to 0.04) are within one or two
-  standard deviations, and `benchmarks/bench_finetune.py --architecture
-  convnet --seeds 8` found the head level with scratch at ε = 3 (0.953
-  against 0.954);
+* **the convnet**: fine-tuning it, the head alone or all of it, beat DP
+  training from scratch at every ε for both kinds of public data. With other
+  classes: full fine-tuning 0.913 / 0.955 / 0.970 and the head 0.890 /
+  0.947 / 0.965 at ε = 1 / 3 / 8, against 0.871 / 0.943 / 0.952 from
+  scratch; with the same classes: 0.839 / 0.898 / 0.928 and 0.820 / 0.885 /
+  0.923, against 0.808 / 0.884 / 0.914. The margins (0.001 to 0.04) are
+  mostly within one or two standard deviations, and
+  `benchmarks/bench_finetune.py --architecture convnet --seeds 8` found the
+  head level with scratch at ε = 3 (0.953 against 0.954);
 * **the MLP**: with other classes, DP training from scratch was the best at
-  ε = 1 and 3 (0.933, 0.959; full fine-tuning 0.911, 0.944) and full
-  fine-tuning at ε = 8 (0.973 against 0.965). The head alone is far behind
-  (0.71–0.81): features learned on the digits 0–4 separate 5–9 poorly with a
+  ε = 1 and 3 (0.936, 0.958; full fine-tuning 0.913, 0.949) and level with
+  full fine-tuning at ε = 8 (0.971, 0.970). The head alone is far behind
+  (0.68–0.80): features learned on the digits 0–4 separate 5–9 poorly with a
   linear head. With the same classes, full fine-tuning was ahead of scratch at
-  every ε (0.843 / 0.924 / 0.940 against 0.815 / 0.910 / 0.939);
+  ε = 1 and 3 (0.872, 0.921 against 0.833, 0.910) and level at ε = 8 (0.942);
 * **the public model alone** (126 images, no privacy spent) reached 0.901. At
-  ε = 1 every private training fell below it (at most 0.859); at ε = 3 and 8
-  full fine-tuning passed it.
+  ε = 1 every private training fell below it (at most 0.872); the MLP's full
+  fine-tuning passed it at ε = 3 (0.921), both networks' at ε = 8 (0.942,
+  0.928).
 
 So public pretraining helps where its features carry over (convolutions
 learned on other digits, or the same classes) and the noise is large, by
