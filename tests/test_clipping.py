@@ -469,15 +469,16 @@ def test_a_batch_above_the_ladder_runs_as_virtual_batches(monkeypatch):
     virtual batches of the ladder's size below it, which caps the step's memory; the
     gradient is unchanged: ∇objective(w) − ∇objective(0) = ḡ / b as for one pass."""
     from kdp.clipping import engine
+    from kdp.training.objective import virtual_batch_rows
     from kdp.training.sampling import poisson_batch_shapes
 
     model, x, y, w = _build("dense", clipping_norm=0.3)
     shapes = poisson_batch_shapes(BATCH, N)
-    assert engine.virtual_batch_rows(model, shapes[-1]) == shapes[-2]
-    assert engine.virtual_batch_rows(model, shapes[-2]) is None
-    assert engine.virtual_batch_rows(model, None) is None      # an unknown size: one pass
+    assert virtual_batch_rows(model, shapes[-1]) == shapes[-2]
+    assert virtual_batch_rows(model, shapes[-2]) is None
+    assert virtual_batch_rows(model, None) is None      # an unknown size: one pass
     explicit = _build("dense", physical_batch_size=6)[0]        # physical_batch_size: chunks of 6 rows
-    assert [engine.virtual_batch_rows(explicit, rows) for rows in (None, 7, 6)] == [6, 6, None]
+    assert [virtual_batch_rows(explicit, rows) for rows in (None, 7, 6)] == [6, 6, None]
     rows = np.arange(shapes[-1]) % BATCH
     x, y, w = x[rows], y[rows], w[rows]
     chunked = []

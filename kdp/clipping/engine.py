@@ -3,8 +3,7 @@
 import keras
 from keras import ops
 
-from kdp import autodiff, distribute
-from kdp.training.sampling import poisson_batch_shapes
+from kdp import autodiff
 from kdp.clipping.kinds import Probes, ghost_layers, kind_of
 from kdp.clipping.groups import _owners, group_clipping_norms
 
@@ -151,30 +150,7 @@ def _rows(t, start, size):
     return ops.slice(t, begin, shape)
 
 
-def virtual_batch_rows(model, batch):
-    """The rows of each virtual batch a step of ``batch`` rows (``None``: unknown
-    when traced) computes ḡ over, or ``None`` for one pass of the whole batch.
-
-    ``physical_batch_size=k`` given: ``k``, unless the batch is known to fit in
-    it. Otherwise a batch known to exceed the largest size of the padding ladder
-    below its capacity (`kdp.training.sampling.poisson_batch_shapes`, ``b + 2s``
-    with three sizes) runs in virtual batches of that size. That caps the step's
-    memory: the capacity ``b + 6√b + 8`` (74 rows at ``b = 32``) pads about 2 %
-    of the Poisson batches, and its pass took 2.8 times the buffers of a plain
-    step of ``b`` rows on a BERT encoder (1.45 times at ``b + 2s``). The sum is
-    the same: each example is run alone with its own seeds either way. Not
-    with data-parallel replicas (their ladder is rounded to shard evenly)."""
-    explicit = model.dp_parameters.physical_batch_size
-    if explicit:
-        return None if batch is not None and batch <= explicit else explicit
-    meta = model.dataset_metadata
-    if batch is None or meta is None or distribute.num_replicas(model) > 1:
-        return None
-    shapes = poisson_batch_shapes(meta.batch_size, meta.nb_samples_train, model.dp_parameters.batch_shapes)
-    return shapes[-2] if len(shapes) > 1 and batch > shapes[-2] else None
-
-
-def clipped_objective(model, x, y, sample_weight):
+def clipped_objective(model, x, y, sample_weight, chunk=None):
     """The clipping-mode data term: value ``Σ w_i ℓ_i / b``, gradient ``ḡ / b``, and
     the model's outputs for the batch.
 
@@ -182,8 +158,9 @@ def clipped_objective(model, x, y, sample_weight):
     computes ḡ (its random draws, its mean over augmented views), so the step
     needs no other forward pass: Keras' own is left unused (a compiler drops
     it) when the outputs replace its predictions (`kdp.model.DP_Model`). The
-    outputs are ``None`` with virtual batches or several augmented views. The
-    noise term is added by the model.
+    outputs are ``None`` with virtual batches (``chunk`` rows each, `_chunked_sum`;
+    ``None``: one pass) or several augmented views. The noise term is added by
+    the model.
 
     Returns:
         ``(objective, outputs)``.
@@ -193,7 +170,6 @@ def clipped_objective(model, x, y, sample_weight):
     y = ops.convert_to_tensor(y)
     weights = (ops.ones((ops.shape(y)[0],), "float32") if sample_weight is None
                else ops.reshape(ops.cast(sample_weight, "float32"), (-1,)))
-    chunk = virtual_batch_rows(model, y.shape[0])
     if chunk:
         (gbar, values), outputs = _chunked_sum(model, x, y, weights, chunk, with_losses=True), None
     else:

@@ -42,7 +42,7 @@ class DPParameters:
         physical_batch_size: with clipping, compute the clipped sum over chunks
             of this many rows (virtual batches: one logical, accounted step).
             ``None``: only a batch padded above the padding ladder's size below
-            its capacity runs in chunks of that size (`kdp.clipping.engine.virtual_batch_rows`).
+            its capacity runs in chunks of that size (`kdp.training.objective.virtual_batch_rows`).
         epsilon_max: a privacy budget enforced over **every** `fit` of the model
             (it is saved with the model): `fit` stops before the step that would
             exceed it, and refuses to start on a model whose ledger already does.
