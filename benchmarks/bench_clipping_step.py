@@ -11,8 +11,9 @@ each trained three ways:
 * (b) ``clipless``: kdp Clipless DP-SGD on the Lipschitz version (`DP_QuickSpectralDense`,
   `DP_QuickSpectralConv2D`, `DP_GroupSort`, `DP_ScaledL2NormPooling2D`), Poisson batches;
 * (c) ``clipping``: kdp per-example clipping DP-SGD (`DPParameters(clipping_norm=1)`) on the
-  model of (a), Poisson batches: ghost norms for the Dense layers, vectorized
-  per-example gradients for the convolutions.
+  model of (a), Poisson batches: the Dense and Conv2D layers are of registered
+  kinds (`kdp.clipping.kinds`), whose per-example norms come from their inputs
+  and output cotangents, with no per-example gradient of a whole model.
 
 Each configuration runs in its own subprocess, so its peak memory is that
 process's peak RSS (`_common.peak_rss_mb`, which sees XLA/TensorFlow's
