@@ -73,15 +73,15 @@ ARCHITECTURES = {"mlp": mlp, "convnet": convnet}
 ARCHITECTURE_CONFIGS = {"mlp": CONFIGS, "convnet": ("head", "all", "scratch")}
 
 
-def pretrain(public, seed):
-    model = ARCHITECTURE(seed)
+def pretrain(build, public, seed):
+    model = build(seed)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS)
     model.fit(*public, epochs=30, batch_size=64, verbose=0)
     return {name: model.get_layer(name).get_weights() for name in ("h1", "h2")}
 
 
-def run(config, epsilon, seed, pretrained, train, test):
-    model = ARCHITECTURE(1000 + seed)      # a new head; the hidden layers from the pretraining
+def run(build, config, epsilon, seed, pretrained, train, test):
+    model = build(1000 + seed)      # a new head; the hidden layers from the pretraining
     if config != "scratch":
         for name, weights in pretrained.items():
             model.get_layer(name).set_weights(weights)
@@ -107,21 +107,20 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="mlp")
     args = parser.parse_args()
-    global ARCHITECTURE
-    ARCHITECTURE = ARCHITECTURES[args.architecture]
+    build = ARCHITECTURES[args.architecture]
     start = time.time()
     public, train, test = data()
-    pretrained = [pretrain(public, s) for s in range(args.seeds)]
+    pretrained = [pretrain(build, public, s) for s in range(args.seeds)]
     rows = []
     header = (f"backend={keras.backend.backend()}, public: {len(public[0])} images of 0-4, "
               f"private: {len(train[0])} train / {len(test[0])} test images of 5-9, "
               f"seeds={args.seeds}, {args.architecture}")
     print(header)
     for epsilon in args.epsilons:
-        auto = fine_tuning_recipe(len(train[0]), epsilon, parameters=parameter_counts(ARCHITECTURE(0)))
+        auto = fine_tuning_recipe(len(train[0]), epsilon, parameters=parameter_counts(build(0)))
         for config in ARCHITECTURE_CONFIGS[args.architecture]:
             t = time.time()
-            results = [run(config, epsilon, s, pretrained[s], train, test) for s in range(args.seeds)]
+            results = [run(build, config, epsilon, s, pretrained[s], train, test) for s in range(args.seeds)]
             accs = np.array([a for a, _, _ in results])
             recipe, dp = results[0][1], results[0][2]
             row = dict(eps=epsilon, config=config + (" (auto)" if config == auto.train else ""),

@@ -106,10 +106,8 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
 
 
 def _chunked_sum(model, x, y, weights, chunk, with_losses=False):
-    """`clipped_gradient_sum` over chunks of ``chunk`` rows (virtual batches)."""
-    batch = y.shape[0]  # None when TensorFlow traced an unknown batch size
-    if batch is not None and batch <= chunk:
-        return clipped_gradient_sum(model, x, y, weights, with_losses=with_losses)
+    """`clipped_gradient_sum` over chunks of ``chunk`` rows (virtual batches; whether
+    a batch needs them is `kdp.training.objective.virtual_batch_rows`' call)."""
     n_rows = ops.shape(y)[0]
     pad = (-n_rows) % chunk
     x = keras.tree.map_structure(lambda t: _pad_rows(t, pad), x)
