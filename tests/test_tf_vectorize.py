@@ -105,6 +105,9 @@ def test_loop_warnings_for_random_ops_are_dropped_and_others_kept():
     assert inside == outside - random_ops and inside, (inside, outside)  # other ops still warn
 
 
+#: seconds a run expected to abort gets (kdp's own run of the same model takes about 10)
+ABORT_WAIT_S = 120
+
 RAW_PRODUCT = """
 import numpy as np, tensorflow as tf
 x, w = tf.constant(np.ones((8, 1, 6, 4), "float32")), tf.constant(np.ones((4, 6), "float32"))
@@ -134,15 +137,16 @@ def test_per_example_gradients_of_an_einsum_dense_model_run_where_the_raw_produc
     """kdp's per-example gradients, which make the product ``(n, 1, T, d) @ (d, k)``
     under ``pfor``, run to the end. Where that product alone aborts (this CPU's
     oneDNN), the same gradients with TensorFlow's own conversion abort too: the
-    replacement is what avoids it."""
-    def run(name, source):
+    replacement is what avoids it. A run expected to abort is killed after
+    ``ABORT_WAIT_S``: a corrupted heap may also hang, which counts as not done."""
+    def run(name, source, **timeout):
         (tmp_path / f"{name}.py").write_text(source)
-        return forks.run([tmp_path / f"{name}.py"], tmp_path, tmp_path / f"{name}.log")
+        return forks.run([tmp_path / f"{name}.py"], tmp_path, tmp_path / f"{name}.log", **timeout)
 
     code, output = run("kdp", EINSUM_MODEL)
     assert code == 0 and "done" in output, output
-    if run("raw", RAW_PRODUCT)[0] == 0:
+    if run("raw", RAW_PRODUCT, timeout=ABORT_WAIT_S)[0] == 0:
         return  # a CPU on which the product does not abort: nothing to contrast
     unprotected = "import contextlib, kdp.autodiff\nkdp.autodiff.vectorization = contextlib.nullcontext\n"
-    code, output = run("unprotected", unprotected + EINSUM_MODEL)
+    code, output = run("unprotected", unprotected + EINSUM_MODEL, timeout=ABORT_WAIT_S)
     assert code != 0 and "done" not in output
