@@ -42,8 +42,8 @@ def _head(h):
 
 def _dense():
     inputs, x = _features((T, 4))
-    h = layers.Dense(5, activation="tanh", name="rows")(inputs)      # materialised (T² > 4·5)
-    shared = layers.Dense(8, use_bias=False, name="shared")          # Gram form, called twice
+    h = layers.Dense(5, activation="tanh", name="rows")(inputs)      # materialised (2·T² ≥ 4·5)
+    shared = layers.Dense(8, use_bias=False, name="shared")          # called twice: 2T rows
     return inputs, _head(shared(h) + shared(h * h)), x
 
 
@@ -110,12 +110,13 @@ def _normalization():
 
 def _conv():
     inputs, x = _features((6, 6, 2))
-    h = layers.Conv2D(3, 3, activation="relu", name="valid")(inputs)                   # materialised
-    h = layers.Conv2D(2, (2, 3), strides=(1, 2), padding="same", name="same")(h)  # padded after only
+    valid = layers.Conv2D(3, 3, activation="relu", name="valid")(inputs)  # materialised
+    gram = layers.Conv2D(8, 3, name="gram")(valid)  # Gram form: T = 4 output positions, 2·T² < 27·8
+    h = layers.Conv2D(2, (2, 3), strides=(1, 2), padding="same", name="same")(valid)  # padded after only
     seq = layers.Reshape((h.shape[1] * h.shape[2], 2))(h)
     seq = layers.Conv1D(2, 2, dilation_rate=2, padding="same", use_bias=False, name="dilated")(seq)
     causal = layers.Conv1D(2, 2, padding="causal", name="causal")(seq)  # not covered: per-example
-    return inputs, _head(causal), x
+    return inputs, _head(layers.Concatenate()([layers.Flatten()(causal), layers.Flatten()(gram)])), x
 
 
 def _mixed():
@@ -144,7 +145,7 @@ def _bert():
 # case -> (builder, names of the layers the registry covers)
 CASES = {
     "dense": (_dense, ["head", "rows", "shared"]),
-    "conv": (_conv, ["dilated", "head", "same", "valid"]),
+    "conv": (_conv, ["dilated", "gram", "head", "same", "valid"]),
     "einsum_dense": (_einsum_dense, ["ellipsis", "head", "o", "q", "row_bias"]),
     "not_a_matmul": (_not_a_matmul, ["head"]),
     "embedding": (_embedding, ["gram", "head", "shared", "table"]),

@@ -4,7 +4,11 @@
 reshaped to ``(k·c_in, c_out)``, so the linear layers' rule applies to
 (patches, output cotangents): the Gram form or the materialised ``(k·c_in,
 c_out)`` gradient per example, whichever is smaller (Bu et al. 2023, "mixed
-ghost clipping", which introduced it for convolutions)."""
+ghost clipping", which introduced it for convolutions). The patches are never
+concatenated: they enter as ``k`` blocks of ``c_in`` features, one per kernel
+tap (the input shifted by the tap's offset), whose products are formed tap by
+tap; the unfolded ``(T, k·c_in)`` copy cost more than the products on
+TensorFlow."""
 
 import itertools
 import math
@@ -17,9 +21,10 @@ from kdp.clipping.kinds.base import plain, register
 from kdp.clipping.kinds.linear import Linear
 
 
-def patches(x, layer):
-    """``x (N, *spatial, c_in)`` unfolded: ``(N, *out_spatial, k·c_in)``, the features in
-    the kernel's ``(*kernel_size, c_in)`` order, with keras' padding and strides."""
+def taps(x, layer):
+    """``x (N, *spatial, c_in)`` unfolded as one ``(N, *out_spatial, c_in)`` tensor per
+    kernel tap, in the kernel's ``(*kernel_size)`` order, with keras' padding and
+    strides: their concatenation on the last axis is the patches."""
     spatial = x.shape[1:-1]
     if layer.padding == "same":  # as keras (TensorFlow's and XLA's "SAME"): the extra row after
         pads = []
@@ -30,12 +35,12 @@ def patches(x, layer):
         spatial = x.shape[1:-1]
     out = [(n - (k - 1) * d - 1) // s + 1
            for n, k, s, d in zip(spatial, layer.kernel_size, layer.strides, layer.dilation_rate)]
-    taps = []
+    shifted = []
     for offsets in itertools.product(*(range(k) for k in layer.kernel_size)):
         window = tuple(slice(o * d, o * d + (m - 1) * s + 1, s)
                        for o, d, m, s in zip(offsets, layer.dilation_rate, out, layer.strides))
-        taps.append(x[(slice(None), *window, slice(None))])
-    return ops.concatenate(taps, axis=-1)
+        shifted.append(x[(slice(None), *window, slice(None))])
+    return shifted
 
 
 @register
@@ -50,8 +55,9 @@ class ConvKind(Linear):
 
     def _rows(self, layer, a, g):
         rank = len(layer.kernel_size)
-        unfolded = patches(ops.reshape(a, (-1, *a.shape[-rank - 1:])), layer)
-        a = ops.reshape(unfolded, (-1, math.prod(g.shape[1:-1]), unfolded.shape[-1]))
-        g = ops.reshape(g, (-1, a.shape[1], g.shape[-1]))
+        rows = math.prod(g.shape[1:-1])
+        blocks = [ops.cast(ops.reshape(t, (-1, rows, t.shape[-1])), g.dtype)
+                  for t in taps(ops.reshape(a, (-1, *a.shape[-rank - 1:])), layer)]
+        g = ops.reshape(g, (-1, rows, g.shape[-1]))
         spec = string.ascii_lowercase[:len(layer.kernel.shape)]
-        return ops.cast(a, g.dtype), g, (spec, list(spec))
+        return blocks, g, (spec, list(spec))

@@ -17,20 +17,40 @@ from keras import ops
 from kdp.clipping.kinds.base import Kind, add_up, reduce_to, sum_squares
 
 
-def per_example_kernels(a, g):
-    """Per-example kernel gradients ``a_iᵀ g_i`` for ``a (B, T, d)``, ``g (B, T, u)``
-    when they are smaller than the Gram matrices (``T² > d·u``), else ``None``."""
-    t, d, u = a.shape[1], a.shape[2], g.shape[2]
-    return ops.einsum("btd,btu->bdu", a, g) if t > 1 and t * t > d * u else None
+def materialise(rows, d, u):
+    """Whether one example's ``(d, u)`` kernel gradient is formed rather than its
+    Gram form over ``rows`` rows: when it takes no more memory than the form's two
+    ``(rows, rows)`` matrices (``2·rows² ≥ d·u``). It also takes fewer operations
+    (``rows·d·u`` against ``rows²·(d + u)`` for the norms, and the weighted sum
+    is a weighted sum of the formed gradients)."""
+    return rows > 1 and 2 * rows * rows >= d * u
 
 
-def gram_sq_norms(a, g):
-    """Per-example ``‖a_iᵀ g_i‖_F² = Σ_{s,t} (a_s·a_t)(g_s·g_t)``, without ``a_iᵀ g_i``."""
-    if a.shape[1] == 1:
-        return ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(g[:, 0]), axis=1)
-    ga = ops.einsum("bsd,btd->bst", a, a)
+def per_example_kernels(blocks, g):
+    """Per-example kernel gradients ``a_iᵀ g_i`` for input rows ``a (B, T, d)``, given
+    as ``blocks`` along ``d`` (``a`` = their concatenation on the last axis), and
+    ``g (B, T, u)``, when `materialise` says so, else ``None``."""
+    t, d, u = g.shape[1], sum(b.shape[2] for b in blocks), g.shape[2]
+    if not materialise(t, d, u):
+        return None
+    kernels = [ops.einsum("btd,btu->bdu", b, g) for b in blocks]
+    return ops.concatenate(kernels, axis=1) if len(kernels) > 1 else kernels[0]
+
+
+def gram_sq_norms(blocks, g):
+    """Per-example ``‖a_iᵀ g_i‖_F² = Σ_{s,t} (a_s·a_t)(g_s·g_t)``, without ``a_iᵀ g_i``
+    (``a`` given as ``blocks``, `per_example_kernels`)."""
+    if g.shape[1] == 1:
+        return sum(sum_squares(b[:, 0]) for b in blocks) * sum_squares(g[:, 0])
+    ga = add_up([(b, b) for b in blocks], lambda a, b: ops.einsum("bsd,btd->bst", a, b))
     gg = ops.einsum("bsu,btu->bst", g, g)
     return ops.sum(ga * gg, axis=(1, 2))
+
+
+def weighted_kernel_sum(blocks, g, c):
+    """``Σ_i c_i a_iᵀ g_i`` ``(d, u)`` from the rows (``a`` given as ``blocks``)."""
+    parts = [ops.einsum("btd,btu->du", b * ops.cast(c, b.dtype)[:, None, None], g) for b in blocks]
+    return ops.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
 def parse(equation):
@@ -80,8 +100,9 @@ class Linear(Kind):
         return call
 
     def _rows(self, layer, a, g):
-        """``a (B, T, d)``, ``g (B, T, u)`` in matmul form, and the kernel's letters
-        ``K`` and ``I + U`` (the kernel's axes in matmul form)."""
+        """The input rows ``a (B, T, d)`` as a list of blocks along ``d`` (here one),
+        ``g (B, T, u)`` in matmul form, and the kernel's letters ``K`` and ``I + U``
+        (the kernel's axes in matmul form)."""
         x, k, o = parse(self.equation(layer))
         fill = "".join(c for c in string.ascii_letters if c not in x + k + o)
         x, o = _expand(x, len(a.shape) - 1, fill), _expand(o, len(g.shape) - 1, fill)
@@ -93,25 +114,29 @@ class Linear(Kind):
         t = math.prod(a.shape[1:1 + len(rows)])
         a = ops.reshape(a, (-1, t, math.prod(a.shape[1 + len(rows):])))
         g = ops.reshape(g, (-1, t, math.prod(g.shape[1 + len(rows):])))
-        return ops.cast(a, g.dtype), g, (k, contracted + units)
+        return [ops.cast(a, g.dtype)], g, (k, contracted + units)
 
     def per_example(self, layer, calls):
         rows = [self._rows(layer, a, g) for a, g in calls]
-        a = ops.concatenate([r[0] for r in rows], axis=1) if len(rows) > 1 else rows[0][0]
-        g = ops.concatenate([r[1] for r in rows], axis=1) if len(rows) > 1 else rows[0][1]
+
+        def joined(parts):  # the calls' rows, one after the other
+            return ops.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+        blocks = [joined(parts) for parts in zip(*(r[0] for r in rows))]
+        g = joined([r[1] for r in rows])
         bias = None if layer.bias is None else add_up(calls, lambda _, g: reduce_to(g, layer.bias.shape))
-        return a, g, per_example_kernels(a, g), rows[0][2], bias
+        return blocks, g, per_example_kernels(blocks, g), rows[0][2], bias
 
     def sq_norms(self, layer, state):
-        a, g, kernels, _, bias = state
-        sq = gram_sq_norms(a, g) if kernels is None else sum_squares(kernels)
+        blocks, g, kernels, _, bias = state
+        sq = gram_sq_norms(blocks, g) if kernels is None else sum_squares(kernels)
         return sq if bias is None else sq + sum_squares(bias)
 
     def weighted_sums(self, layer, state, c):
-        a, g, kernels, (spec, letters), bias = state
+        blocks, g, kernels, (spec, letters), bias = state
         c = ops.cast(c, g.dtype)
         if kernels is None:
-            kernel = ops.einsum("btd,btu->du", a * c[:, None, None], g)
+            kernel = weighted_kernel_sum(blocks, g, c)
         else:
             kernel = ops.tensordot(c, kernels, axes=1)
         shape = [layer.kernel.shape[spec.index(ch)] for ch in letters]

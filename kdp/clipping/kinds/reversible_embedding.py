@@ -8,7 +8,7 @@ Example ``i``'s gradient of a tied ``E`` is ``Σ_r u_r v_rᵀ`` over its rows:
 lookups (``u = one_hot(id_s)``, ``v = g_s``) and projections (``u = G_t``, the
 logits' cotangent, ``v = h_t``), so ``‖∇‖² = Σ_{r,r'} (u_r·u_r')(v_r·v_r')``,
 with ``one_hot(id_s)·G_t = G_t[id_s]``: a Gram form over the ``T + T'`` rows
-when ``(T + T')² ≤ V·d``, else the materialised ``(V, d)`` gradient (Li et al.
+or the materialised ``(V, d)`` gradient, as `linear.materialise` decides (Li et al.
 2022; Bu et al. 2023, mixed ghost clipping). Untied, ``E``'s gradient is that
 of `embedding` and ``R``'s that of a linear layer (`linear`), in one group.
 Matched by type only: keras_hub is never imported here.
@@ -22,7 +22,7 @@ from keras import ops
 
 from kdp.clipping.kinds.base import plain, register, sum_squares
 from kdp.clipping.kinds.embedding import EmbeddingKind
-from kdp.clipping.kinds.linear import gram_sq_norms, per_example_kernels
+from kdp.clipping.kinds.linear import gram_sq_norms, materialise, per_example_kernels
 
 
 def _types():
@@ -81,17 +81,17 @@ class ReversibleEmbeddingKind(EmbeddingKind):
         if h is None:
             return super().sq_norms(layer, (ids, g))
         if not layer.tie_weights:
-            kernels = per_example_kernels(h, G)
-            sq = gram_sq_norms(h, G) if kernels is None else sum_squares(kernels)
+            kernels = per_example_kernels([h], G)
+            sq = gram_sq_norms([h], G) if kernels is None else sum_squares(kernels)
             return sq if ids is None else sq + super().sq_norms(layer, (ids, g))
         vocabulary, d = layer.embeddings.shape
         t = 0 if ids is None else ids.shape[1]
-        if (t + h.shape[1]) ** 2 > vocabulary * d:
+        if materialise(t + h.shape[1], vocabulary, d):
             table = ops.einsum("btv,btd->bvd", G, h)
             if ids is not None:
                 table = table + ops.einsum("btv,btd->bvd", ops.one_hot(ids, vocabulary, dtype=g.dtype), g)
             return ops.sum(ops.square(table), axis=(1, 2))
-        sq = gram_sq_norms(h, G)
+        sq = gram_sq_norms([h], G)
         if ids is None:
             return sq
         at_ids = ops.take_along_axis(G, ops.broadcast_to(ids[:, None, :], (ops.shape(G)[0], h.shape[1], t)), axis=2)
