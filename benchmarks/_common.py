@@ -9,7 +9,7 @@ import numpy as np
 from _runs import peak_rss_mb  # noqa: F401  (re-exported for the scripts)
 
 
-def fit_step_time(model, x, y, batch_size, steps, warmup):
+def fit_step_time(model, x, y, batch_size, steps, warmup, repeats=1):
     """Seconds per step of one `fit`: its wall time divided by its number of steps.
 
     What a user sees: the whole loop, with drawing and padding kdp's Poisson
@@ -25,16 +25,21 @@ def fit_step_time(model, x, y, batch_size, steps, warmup):
     reshuffled every epoch) stops at the end of ``x``: it runs whole epochs,
     at least ``steps`` steps in all; kdp's ``fit`` runs
     ``steps`` Poisson steps in one epoch. The clock stops once the last
-    update's weights can be read.
+    update's weights can be read. With ``repeats > 1`` the timed ``fit`` runs that
+    many times and the median of its times is returned: on a shared 2-core
+    machine one ``fit`` of the same compiled step took 130 or 260 ms a step
+    from one call to the next (TensorFlow, the convnet of
+    `bench_clipping_step.py`).
     """
     if getattr(model, "dp_parameters", None) is None:
         per_epoch = len(x) // batch_size
         epochs = -(-steps // per_epoch)
         model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=min(warmup, per_epoch), verbose=0)
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=batch_size, shuffle=True, epochs=epochs, steps_per_epoch=per_epoch,
-                  verbose=0)
-        done = epochs * per_epoch
+
+        def timed():
+            model.fit(x, y, batch_size=batch_size, shuffle=True, epochs=epochs, steps_per_epoch=per_epoch,
+                      verbose=0)
+            return epochs * per_epoch
     else:
         from kdp.pipeline import poisson_batch_shapes
 
@@ -42,11 +47,17 @@ def fit_step_time(model, x, y, batch_size, steps, warmup):
         model.fit(x, y, epochs=1, steps_per_epoch=warmup, verbose=0)
         for size in poisson_batch_shapes(md.batch_size, md.nb_samples_train, model.dp_parameters.batch_shapes):
             model.train_on_batch(x[:size], y[:size], sample_weight=np.zeros(size, "float32"))
+
+        def timed():
+            model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
+            return steps
+    times = []
+    for _ in range(repeats):
         start = time.perf_counter()
-        model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
-        done = steps
-    keras.ops.convert_to_numpy(model.trainable_variables[-1])  # the last update has run
-    return (time.perf_counter() - start) / done
+        done = timed()
+        keras.ops.convert_to_numpy(model.trainable_variables[-1])  # the last update has run
+        times.append((time.perf_counter() - start) / done)
+    return float(np.median(times))
 
 
 class StepTimer(keras.callbacks.Callback):

@@ -61,6 +61,8 @@ def encoder_parser(description, kinds):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed fits per kind; their median time is reported")
     parser.add_argument("--kinds", nargs="+", default=list(kinds))
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--child")

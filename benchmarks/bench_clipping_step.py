@@ -23,8 +23,8 @@ Time, as `bench_clipless_step.py` measures it (`_common.fit_step_time`): a
 ``fit`` of ``--warmup`` steps and one `train_on_batch` per padded Poisson size
 compile everything, then the wall time of one ``fit`` of ``--steps`` steps
 (plain Keras: whole epochs of shuffled batches, at least ``--steps`` steps)
-divided by its number of steps. That is what a user sees, kdp's Poisson
-sampling and padding and the noise included. No kind passes a callback with a
+divided by its number of steps; the median of ``--repeats`` such fits. That
+is what a user sees, kdp's Poisson sampling and padding and the noise included. No kind passes a callback with a
 batch-end hook, so on JAX Keras dispatches batch ends asynchronously for all
 three, as in a user's ``fit``; a per-step callback timer would make the host
 wait for every step, and would miss the host's work between two steps. kdp pads
@@ -91,7 +91,7 @@ def build(model_name, kind, n, batch):
     return model, shape
 
 
-def child(model_name, kind, batch, steps, warmup):
+def child(model_name, kind, batch, steps, warmup, repeats):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import numpy as np
     from _common import fit_step_time, peak_rss_mb
@@ -104,7 +104,7 @@ def child(model_name, kind, batch, steps, warmup):
     rng = np.random.default_rng(0)
     x = rng.random((n,) + shape, dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
-    elapsed = fit_step_time(model, x, y, batch, steps, warmup)
+    elapsed = fit_step_time(model, x, y, batch, steps, warmup, repeats)
     print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb() - base}))
 
 
@@ -113,7 +113,7 @@ def speed(args):
 
     device = {"jax": lambda: __import__("jax").devices()[0].device_kind}.get(keras.backend.backend(), str)()
     print(f"backend={keras.backend.backend()} {device}  wall time of one fit / its steps (kdp {args.steps} "
-          f"steps after {args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
+          f"steps after {args.warmup} warm-up steps, median of {args.repeats} fits); memory = peak RSS - RSS after imports")
     print(f"{'model':>5} {'batch':>6} | {'keras ms':>9} {'clipless ms':>11} {'clipping ms':>11} | "
           f"{'(b)/(a)':>7} {'(c)/(a)':>7} {'(c)/(b)':>7} | {'MB a':>6} {'MB b':>6} {'MB c':>6}")
     rows = []
@@ -122,7 +122,8 @@ def speed(args):
             res = {}
             for kind in KINDS:
                 cmd = [sys.executable, __file__, "--child", model_name, kind, str(batch),
-                       "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                       "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--repeats", str(args.repeats)]
                 try:
                     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 except subprocess.TimeoutExpired:
@@ -192,6 +193,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed fits per kind; their median time is reported")
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--timeout", type=float, default=900)
@@ -205,7 +207,7 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]), args.steps, args.warmup)
+        child(args.child[0], args.child[1], int(args.child[2]), args.steps, args.warmup, args.repeats)
     elif args.digits:
         digits(args)
     else:

@@ -19,7 +19,8 @@ on token ids alone (no segments, no padding), its pooled output into a
 
 Each runs in its own subprocess; time and memory are measured as in
 `bench_clipping_step.py` (`_common.fit_step_time`: the wall time of one ``fit``
-of ``--steps`` steps after a warm-up, divided by its steps; memory: peak RSS
+of ``--steps`` steps after a warm-up, divided by its steps, the median of
+``--repeats`` fits; memory: peak RSS
 minus the RSS after the imports). On JAX, ``--buffers`` runs each kind again to
 print the buffers XLA assigns to each compiled shape of the step (`_runs.xla_step_buffers`):
 the step's own memory, without compilation and the runtime, which peak RSS counts.
@@ -79,7 +80,7 @@ def child(kind, args):
     rng = np.random.default_rng(0)
     x = rng.integers(0, VOCABULARY, (n, args.length)).astype("int32")
     y = rng.integers(0, 2, n).astype("int32")
-    elapsed = fit_step_time(model, x, y, args.batch, args.steps, args.warmup)
+    elapsed = fit_step_time(model, x, y, args.batch, args.steps, args.warmup, args.repeats)
     print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb() - base}))
 
 
@@ -96,8 +97,9 @@ def main():
 
     print(f"backend={keras.backend.backend()} BERT encoder: {args.layers} layers, width {args.width}, "
           f"T={args.length}, b={args.batch}, dropout {args.dropout}; wall time of one fit / its steps "
-          f"({args.steps} steps after {args.warmup} warm-up steps); memory = peak RSS - RSS after imports")
-    names = ("batch", "length", "width", "layers", "steps", "warmup", "dropout")
+          f"({args.steps} steps after {args.warmup} warm-up steps), median of {args.repeats} fits; "
+          f"memory = peak RSS - RSS after imports")
+    names = ("batch", "length", "width", "layers", "steps", "warmup", "repeats", "dropout")
     print_table(run_children(os.path.abspath(__file__), args, names), "keras")
     if keras.backend.backend() == "jax" and args.buffers:
         print_buffers(xla_step_buffers(os.path.abspath(__file__), args, names), "keras", args.batch)

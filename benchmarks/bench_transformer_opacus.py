@@ -19,7 +19,8 @@ each in its own subprocess:
 
 Batches have exactly ``--batch`` rows (kdp's Poisson batches vary and are
 padded: this favours Opacus a little). Time: the wall time of ``--steps``
-steps after ``--warmup`` warm-up steps, divided by the steps; memory: peak RSS
+steps after ``--warmup`` warm-up steps, divided by the steps (the median of
+``--repeats`` such runs); memory: peak RSS
 minus the RSS after the imports (`_runs.peak_rss_mb`). PyTorch uses its
 default threads.
 
@@ -119,10 +120,13 @@ def child(kind, args):
 
     for i in range(args.warmup):
         step(i)
-    start = time.perf_counter()
-    for i in range(args.steps):
-        step(i)
-    elapsed = (time.perf_counter() - start) / args.steps
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for i in range(args.steps):
+            step(i)
+        times.append((time.perf_counter() - start) / args.steps)
+    elapsed = sorted(times)[len(times) // 2]  # the median of the repeats
     print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb() - base}))
 
 
@@ -134,9 +138,10 @@ def main():
 
     print(f"torch {torch.__version__}, opacus {opacus.__version__}, {torch.get_num_threads()} threads; "
           f"BERT encoder: {args.layers} layers, width {args.width}, T={args.length}, b={args.batch}; "
-          f"wall time of {args.steps} steps after {args.warmup} warm-up steps / steps; "
+          f"wall time of {args.steps} steps after {args.warmup} warm-up steps / steps, "
+          f"median of {args.repeats} repeats; "
           "memory = peak RSS - RSS after imports")
-    names = ("batch", "length", "width", "layers", "steps", "warmup")
+    names = ("batch", "length", "width", "layers", "steps", "warmup", "repeats")
     print_table(run_children(os.path.abspath(__file__), args, names), "torch")
 
 
