@@ -9,6 +9,7 @@ kernel gradient is ``A_iᵀG_i`` with ``A_i (T, d)`` its input rows and ``G_i
 (T, u)`` its output cotangents: ``‖A_iᵀG_i‖² = ⟨A_iA_iᵀ, G_iG_iᵀ⟩``.
 """
 
+import functools
 import math
 import string
 
@@ -41,15 +42,17 @@ def gram_sq_norms(blocks, g):
     """Per-example ``‖a_iᵀ g_i‖_F² = Σ_{s,t} (a_s·a_t)(g_s·g_t)``, without ``a_iᵀ g_i``
     (``a`` given as ``blocks``, `per_example_kernels`)."""
     if g.shape[1] == 1:
-        return sum(sum_squares(b[:, 0]) for b in blocks) * sum_squares(g[:, 0])
-    ga = add_up([(b, b) for b in blocks], lambda a, b: ops.einsum("bsd,btd->bst", a, b))
+        return functools.reduce(ops.add, [sum_squares(b[:, 0]) for b in blocks]) * sum_squares(g[:, 0])
+    ga = functools.reduce(ops.add, [ops.einsum("bsd,btd->bst", b, b) for b in blocks])
     gg = ops.einsum("bsu,btu->bst", g, g)
     return ops.sum(ga * gg, axis=(1, 2))
 
 
 def weighted_kernel_sum(blocks, g, c):
-    """``Σ_i c_i a_iᵀ g_i`` ``(d, u)`` from the rows (``a`` given as ``blocks``)."""
-    parts = [ops.einsum("btd,btu->du", b * ops.cast(c, b.dtype)[:, None, None], g) for b in blocks]
+    """``Σ_i c_i a_iᵀ g_i`` ``(d, u)`` from the rows (``a`` given as ``blocks``); ``c``
+    scales ``g`` once, not each block."""
+    g = g * ops.cast(c, g.dtype)[:, None, None]
+    parts = [ops.einsum("btd,btu->du", b, g) for b in blocks]
     return ops.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
