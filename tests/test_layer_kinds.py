@@ -15,8 +15,8 @@ import pytest
 from test_clipping import SCCE, _brute_force, _clip_by_hand, _median_norm, clipped_sum
 
 from kdp import autodiff, clipping
-from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, normalization, position_embedding,
-                                reversible_embedding)
+from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, linear, normalization,
+                                position_embedding, reversible_embedding)
 from kdp.model import DP_Model, DPParameters
 from kdp.pipeline import DatasetMetadata
 
@@ -42,7 +42,7 @@ def _head(h):
 
 def _dense():
     inputs, x = _features((T, 4))
-    h = layers.Dense(5, activation="tanh", name="rows")(inputs)      # materialised (2·T² ≥ 4·5)
+    h = layers.Dense(5, activation="tanh", name="rows")(inputs)      # formed (4·5 ≤ 2·T·(4 + 5))
     shared = layers.Dense(8, use_bias=False, name="shared")          # called twice: 2T rows
     return inputs, _head(shared(h) + shared(h * h)), x
 
@@ -78,10 +78,10 @@ def _reversible_embedding():
     keras_hub = pytest.importorskip("keras_hub")
     inputs, x = _tokens()
     unit = keras.initializers.RandomNormal(stddev=0.5)  # lookup and projection gradients of one size
-    tied = layers.ReversibleEmbedding(VOCAB, 12, embeddings_initializer=unit, logit_soft_cap=3.0,
-                                      name="tied")  # (T + T)² <= 12·12: Gram
-    small = keras_hub.layers.ReversibleEmbedding(3, 2, name="small")                 # (T + T)² > 3·2: materialised
-    untied = layers.ReversibleEmbedding(VOCAB, 12, tie_weights=False, name="untied")  # lookups and kernel: Gram
+    tied = layers.ReversibleEmbedding(64, 64, embeddings_initializer=unit, logit_soft_cap=3.0,
+                                      name="tied")  # 2T rows: 64·64 > 2·2T·(64 + 64), Gram
+    small = keras_hub.layers.ReversibleEmbedding(3, 2, name="small")                 # 3·2 ≤ 2·2T·(3 + 2): formed
+    untied = layers.ReversibleEmbedding(64, 64, tie_weights=False, name="untied")  # lookups and kernel: Gram
     logits = [tied(tied(inputs), reverse=True), small(small(keras.ops.mod(inputs, 3)), reverse=True),
               untied(untied(keras.ops.flip(inputs, axis=1)), reverse=True)]
     return inputs, _head(layers.GlobalAveragePooling1D()(layers.Concatenate()(logits))), x
@@ -110,8 +110,8 @@ def _normalization():
 
 def _conv():
     inputs, x = _features((6, 6, 2))
-    valid = layers.Conv2D(3, 3, activation="relu", name="valid")(inputs)  # materialised
-    gram = layers.Conv2D(8, 3, name="gram")(valid)  # Gram form: T = 4 output positions, 2·T² < 27·8
+    valid = layers.Conv2D(3, 3, activation="relu", name="valid")(inputs)  # formed
+    gram = layers.Conv2D(16, 3, name="gram")(valid)  # Gram form: T = 4 output positions, 27·16 > 2·T·(27 + 16)
     h = layers.Conv2D(2, (2, 3), strides=(1, 2), padding="same", name="same")(valid)  # padded after only
     seq = layers.Reshape((h.shape[1] * h.shape[2], 2))(h)
     seq = layers.Conv1D(2, 2, dilation_rate=2, padding="same", use_bias=False, name="dilated")(seq)
@@ -216,6 +216,14 @@ def _check(case, mode, monkeypatch, scale=1.0):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_clipped_sum_matches_brute_force(case, monkeypatch):
+    assert _check(case, "flat", monkeypatch) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["dense", "einsum_dense"])
+def test_the_gram_form_matches_brute_force(case, monkeypatch):
+    """Every linear layer of more than one row in the Gram form, which the form rule
+    (`linear.materialise`) leaves to wide layers over few rows."""
+    monkeypatch.setattr(linear, "materialise", lambda rows, d, u: False)
     assert _check(case, "flat", monkeypatch) < 1e-5
 
 

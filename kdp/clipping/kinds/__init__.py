@@ -11,8 +11,9 @@ gradients. Covered (exact type, every weight trainable, not quantized, no
 LoRA):
 
 * `dense` / `einsum_dense`: ``Dense``; ``EinsumDense`` whose equation is a
-  matmul over rows (`linear.parse`). Kernel: Gram form or materialised
-  per example, whichever is smaller; bias: materialised.
+  matmul over rows (`linear.parse`). Kernel: materialised per example,
+  or the Gram form where that takes much less memory (`linear.materialise`);
+  bias: materialised.
 * `embedding`: ``Embedding`` (Gram form over equal token ids, or materialised).
 * `normalization`: ``LayerNormalization``, ``RMSNormalization`` (materialised).
 * `conv`: ``Conv1D``, ``Conv2D`` (channels last, ``groups=1``, ``"valid"`` or

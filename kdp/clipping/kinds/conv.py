@@ -2,9 +2,10 @@
 ``"same"`` padding): a convolution is a matmul of the input's patches
 (unfolded, ``(T, k·c_in)`` for ``T`` output positions) with the kernel
 reshaped to ``(k·c_in, c_out)``, so the linear layers' rule applies to
-(patches, output cotangents): the Gram form or the materialised ``(k·c_in,
-c_out)`` gradient per example, whichever is smaller (Bu et al. 2023, "mixed
-ghost clipping", which introduced it for convolutions). The patches are never
+(patches, output cotangents): the materialised ``(k·c_in, c_out)`` gradient
+per example or, where it takes much more memory, the Gram form
+(`linear.materialise`; Bu et al. 2023, "mixed ghost clipping", which
+introduced the choice for convolutions). The patches are never
 concatenated: they enter as ``k`` blocks of ``c_in`` features, one per kernel
 tap (the input shifted by the tap's offset), whose products are formed tap by
 tap; the unfolded ``(T, k·c_in)`` copy cost more than the products on

@@ -1,6 +1,6 @@
 """`Dense` and `EinsumDense`: kernel norms from each call's input and output
-cotangent in matmul form, per example the cheaper of the Gram form and the
-materialised gradient ("mixed ghost clipping", Bu et al. 2023; Li et al. 2022).
+cotangent in matmul form, per example the materialised gradient or, where it
+would take much more memory, the Gram form ("mixed ghost clipping", Bu et al. 2023; Li et al. 2022).
 
 A linear layer's output is ``z = einsum(X,K->O)(a, W) + b``. Written as a
 matmul over rows ``R`` (letters of ``X`` and ``O``), contracted letters ``I``
@@ -20,11 +20,18 @@ from kdp.clipping.kinds.base import Kind, add_up, reduce_to, sum_squares
 
 def materialise(rows, d, u):
     """Whether one example's ``(d, u)`` kernel gradient is formed rather than its
-    Gram form over ``rows`` rows: when it takes no more memory than the form's two
-    ``(rows, rows)`` matrices (``2·rows² ≥ d·u``). It also takes fewer operations
-    (``rows·d·u`` against ``rows²·(d + u)`` for the norms, and the weighted sum
-    is a weighted sum of the formed gradients)."""
-    return rows > 1 and 2 * rows * rows >= d * u
+    Gram form over ``rows > 1`` rows.
+
+    Formed, it takes fewer operations: ``rows·d·u``, and the weighted sum is one
+    of formed gradients; the Gram form spends ``rows²·(d + u)`` on the norms and
+    ``rows·d·u`` on the weighted sum from the rows. It takes more memory only
+    when ``d·u`` is large: the Gram form keeps the example's rows and
+    cotangents (``rows·(d + u)`` values) until the clipping factors are known,
+    the formed gradient ``d·u``. So the rule is ``d·u ≤ 2·rows·(d + u)``: every
+    projection of the BERT encoders of ``benchmarks/bench_transformer.py`` is
+    formed (faster, and no more XLA buffer memory, than in the Gram form),
+    an output layer over a large vocabulary keeps the Gram form."""
+    return rows > 1 and d * u <= 2 * rows * (d + u)
 
 
 def per_example_kernels(blocks, g):
