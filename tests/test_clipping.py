@@ -30,7 +30,7 @@ def _dense_model():
     h = keras.layers.Dense(12, activation="tanh")(inputs)
     seq = keras.layers.Reshape((2, 6))(h)
     seq = keras.layers.Dense(5, activation="relu")(seq)    # sequence input, formed (6·5 ≤ 2·T·(6 + 5))
-    seq = keras.layers.Dense(32, use_bias=False)(seq)       # sequence input, Gram form (5·32 > 2·T·(5 + 32))
+    seq = keras.layers.Dense(32, use_bias=False)(seq)       # sequence input, Gram (5·32 > 2·T·(5 + 32))
     out = keras.layers.Dense(3)(keras.layers.Flatten()(seq))
     return inputs, out, np.random.default_rng(1).normal(size=(BATCH, 10)).astype("float32")
 

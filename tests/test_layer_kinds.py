@@ -80,7 +80,7 @@ def _reversible_embedding():
     unit = keras.initializers.RandomNormal(stddev=0.5)  # lookup and projection gradients of one size
     tied = layers.ReversibleEmbedding(64, 64, embeddings_initializer=unit, logit_soft_cap=3.0,
                                       name="tied")  # 2T rows: 64·64 > 2·2T·(64 + 64), Gram
-    small = keras_hub.layers.ReversibleEmbedding(3, 2, name="small")                 # 3·2 ≤ 2·2T·(3 + 2): formed
+    small = keras_hub.layers.ReversibleEmbedding(3, 2, name="small")  # 3·2 ≤ 2·2T·(3 + 2): formed
     untied = layers.ReversibleEmbedding(64, 64, tie_weights=False, name="untied")  # lookups and kernel: Gram
     logits = [tied(tied(inputs), reverse=True), small(small(keras.ops.mod(inputs, 3)), reverse=True),
               untied(untied(keras.ops.flip(inputs, axis=1)), reverse=True)]
@@ -111,7 +111,7 @@ def _normalization():
 def _conv():
     inputs, x = _features((6, 6, 2))
     valid = layers.Conv2D(3, 3, activation="relu", name="valid")(inputs)  # formed
-    gram = layers.Conv2D(16, 3, name="gram")(valid)  # Gram form: T = 4 output positions, 27·16 > 2·T·(27 + 16)
+    gram = layers.Conv2D(16, 3, name="gram")(valid)  # Gram: T = 4 positions, 27·16 > 2·T·(27 + 16)
     h = layers.Conv2D(2, (2, 3), strides=(1, 2), padding="same", name="same")(valid)  # padded after only
     seq = layers.Reshape((h.shape[1] * h.shape[2], 2))(h)
     seq = layers.Conv1D(2, 2, dilation_rate=2, padding="same", use_bias=False, name="dilated")(seq)

@@ -34,7 +34,8 @@ attribute, rather than a Keras variable, would). Inside that pass:
   with rows ``A_i (T, d)``, ``G_i (T, u)`` is ``√⟨A_iA_iᵀ, G_iG_iᵀ⟩`` (Gram
   form) or the norm of the materialised ``A_iᵀG_i``, which takes fewer
   operations: the Gram form only where ``A_iᵀG_i`` would take more than twice
-  the memory of ``A_i`` and ``G_i`` (`kinds.linear.materialise`; Bu et al. 2023); an embedding's is
+  the memory of ``A_i`` and ``G_i`` (`kinds.linear.materialise`; Bu et al.
+  2023); an embedding's is
   ``√Σ_{s,t: id_s=id_t} g_s·g_t``; biases and normalisation scales are
   materialised per example (they are small). The clipped sum is then
   ``Σ_i c_i A_iᵀG_i`` (a scatter-add for an embedding) with

@@ -1,6 +1,7 @@
 """`Dense` and `EinsumDense`: kernel norms from each call's input and output
 cotangent in matmul form, per example the materialised gradient or, where it
-would take much more memory, the Gram form ("mixed ghost clipping", Bu et al. 2023; Li et al. 2022).
+would take much more memory, the Gram form ("mixed ghost clipping", Bu et al.
+2023; Li et al. 2022).
 
 A linear layer's output is ``z = einsum(X,K->O)(a, W) + b``. Written as a
 matmul over rows ``R`` (letters of ``X`` and ``O``), contracted letters ``I``
