@@ -2,6 +2,7 @@
 (`fit_step_time`), a per-step callback timer, the peak memory reading
 (`_runs.peak_rss_mb`) and the Clipless MLP they all time."""
 
+import statistics
 import time
 
 import keras
@@ -57,7 +58,7 @@ def fit_step_time(model, x, y, batch_size, steps, warmup, repeats=1):
         done = timed()
         keras.ops.convert_to_numpy(model.trainable_variables[-1])  # the last update has run
         times.append((time.perf_counter() - start) / done)
-    return float(np.median(times))
+    return statistics.median(times)
 
 
 class StepTimer(keras.callbacks.Callback):

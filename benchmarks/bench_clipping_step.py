@@ -24,8 +24,8 @@ Time, as `bench_clipless_step.py` measures it (`_common.fit_step_time`): a
 compile everything, then the wall time of one ``fit`` of ``--steps`` steps
 (plain Keras: whole epochs of shuffled batches, at least ``--steps`` steps)
 divided by its number of steps; the median of ``--repeats`` such fits. That
-is what a user sees, kdp's Poisson sampling and padding and the noise included. No kind passes a callback with a
-batch-end hook, so on JAX Keras dispatches batch ends asynchronously for all
+is what a user sees, kdp's Poisson sampling and padding and the noise
+included. No kind passes a callback with a batch-end hook, so on JAX Keras dispatches batch ends asynchronously for all
 three, as in a user's ``fit``; a per-step callback timer would make the host
 wait for every step, and would miss the host's work between two steps. kdp pads
 a Poisson batch to the smallest of its static sizes that holds it

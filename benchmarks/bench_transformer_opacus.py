@@ -34,6 +34,7 @@ install torch opacus numpy``:
 
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -126,7 +127,7 @@ def child(kind, args):
         for i in range(args.steps):
             step(i)
         times.append((time.perf_counter() - start) / args.steps)
-    elapsed = sorted(times)[len(times) // 2]  # the median of the repeats
+    elapsed = statistics.median(times)
     print(json.dumps({"time": elapsed, "peak_mb": peak_rss_mb() - base}))
 
 

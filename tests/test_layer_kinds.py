@@ -74,7 +74,7 @@ def _embedding():
 
 def _reversible_embedding():
     """Tied tables read by lookups and by the reverse projection (Gram form and
-    materialised), an untied one, keras_hub's subclass."""
+    materialised), untied ones (Gram form and formed), keras_hub's subclass."""
     keras_hub = pytest.importorskip("keras_hub")
     inputs, x = _tokens()
     unit = keras.initializers.RandomNormal(stddev=0.5)  # lookup and projection gradients of one size
@@ -82,8 +82,10 @@ def _reversible_embedding():
                                       name="tied")  # 2T rows: 64·64 > 2·2T·(64 + 64), Gram
     small = keras_hub.layers.ReversibleEmbedding(3, 2, name="small")  # 3·2 ≤ 2·2T·(3 + 2): formed
     untied = layers.ReversibleEmbedding(64, 64, tie_weights=False, name="untied")  # lookups and kernel: Gram
+    small_untied = layers.ReversibleEmbedding(3, 2, tie_weights=False, name="small_untied")  # kernel: formed
     logits = [tied(tied(inputs), reverse=True), small(small(keras.ops.mod(inputs, 3)), reverse=True),
-              untied(untied(keras.ops.flip(inputs, axis=1)), reverse=True)]
+              untied(untied(keras.ops.flip(inputs, axis=1)), reverse=True),
+              small_untied(small_untied(keras.ops.mod(inputs + 1, 3)), reverse=True)]
     return inputs, _head(layers.GlobalAveragePooling1D()(layers.Concatenate()(logits))), x
 
 
@@ -149,7 +151,7 @@ CASES = {
     "einsum_dense": (_einsum_dense, ["ellipsis", "head", "o", "q", "row_bias"]),
     "not_a_matmul": (_not_a_matmul, ["head"]),
     "embedding": (_embedding, ["gram", "head", "shared", "table"]),
-    "reversible_embedding": (_reversible_embedding, ["head", "small", "tied", "untied"]),
+    "reversible_embedding": (_reversible_embedding, ["head", "small", "small_untied", "tied", "untied"]),
     "position_embedding": (_position_embedding, ["head", "once", "twice"]),
     "normalization": (_normalization, ["head", "last", "mix", "rms", "scale_only", "two_axes"]),
     "mixed": (_mixed, ["attention_output", "embed", "head", "key", "norm", "query", "value"]),

@@ -65,49 +65,55 @@ class ReversibleEmbeddingKind(EmbeddingKind):
         return call
 
     def per_example(self, layer, calls):
-        """``(ids, g)`` of the lookups (`embedding`) and ``(h (B, T', d), G (B, T', V))``
-        of the projections, each ``None`` if there were none."""
+        """``(ids, g)`` of the lookups (`embedding`), ``(h (B, T', d), G (B, T', V))``
+        of the projections, each ``None`` if there were none, and the formed
+        per-example gradient where `linear.materialise` says so, else ``None``:
+        ``R``'s ``(B, d, V)`` untied, ``E``'s ``(B, V, d)`` (lookups included) tied."""
         lookups = [(a, g) for a, g in calls if "int" in keras.backend.standardize_dtype(a.dtype)]
         projections = [(a, g) for a, g in calls if "int" not in keras.backend.standardize_dtype(a.dtype)]
         ids, g = super().per_example(layer, lookups) if lookups else (None, None)
-        h = G = None
-        if projections:
-            G = ops.concatenate([_rows(g) for _, g in projections], axis=1)
-            h = ops.cast(ops.concatenate([_rows(a) for a, _ in projections], axis=1), G.dtype)
-        return ids, g, h, G
-
-    def sq_norms(self, layer, state):
-        ids, g, h, G = state
-        if h is None:
-            return super().sq_norms(layer, (ids, g))
+        if not projections:
+            return ids, g, None, None, None
+        G = ops.concatenate([_rows(g) for _, g in projections], axis=1)
+        h = ops.cast(ops.concatenate([_rows(a) for a, _ in projections], axis=1), G.dtype)
         if not layer.tie_weights:
-            kernels = per_example_kernels([h], G)
-            sq = gram_sq_norms([h], G) if kernels is None else sum_squares(kernels)
-            return sq if ids is None else sq + super().sq_norms(layer, (ids, g))
+            return ids, g, h, G, per_example_kernels([h], G)
         vocabulary, d = layer.embeddings.shape
         t = 0 if ids is None else ids.shape[1]
+        table = None
         if materialise(t + h.shape[1], vocabulary, d):
             table = ops.einsum("btv,btd->bvd", G, h)
             if ids is not None:
                 table = table + ops.einsum("btv,btd->bvd", ops.one_hot(ids, vocabulary, dtype=g.dtype), g)
-            return ops.sum(ops.square(table), axis=(1, 2))
-        sq = gram_sq_norms([h], G)
-        if ids is None:
+        return ids, g, h, G, table
+
+    def sq_norms(self, layer, state):
+        ids, g, h, G, formed = state
+        lookups = 0.0 if ids is None else super().sq_norms(layer, (ids, g))
+        if h is None:
+            return lookups
+        if formed is not None:
+            return sum_squares(formed) + (lookups if not layer.tie_weights else 0.0)
+        sq = gram_sq_norms([h], G) + lookups
+        if not layer.tie_weights or ids is None:
             return sq
+        t = ids.shape[1]
         at_ids = ops.take_along_axis(G, ops.broadcast_to(ids[:, None, :], (ops.shape(G)[0], h.shape[1], t)), axis=2)
         cross = ops.sum(at_ids * ops.einsum("btd,bsd->bts", h, g), axis=(1, 2))  # Σ G_t[id_s] (h_t·g_s)
-        return sq + super().sq_norms(layer, (ids, g)) + 2.0 * cross
+        return sq + 2.0 * cross
 
     def weighted_sums(self, layer, state, c):
-        ids, g, h, G = state
-        out = {} if ids is None else super().weighted_sums(layer, (ids, g), c)
+        ids, g, h, G, formed = state
+        tied_and_formed = layer.tie_weights and formed is not None
+        out = {} if ids is None or tied_and_formed else super().weighted_sums(layer, (ids, g), c)
         if h is None:
             return out
-        hc = h * ops.cast(c, h.dtype)[:, None, None]
-        if not layer.tie_weights:
-            out[layer.reverse_embeddings.path] = ops.einsum("btd,btv->dv", hc, G)
-            return out
-        table = ops.einsum("btv,btd->vd", G, hc)
-        path = layer.embeddings.path
-        out[path] = table if path not in out else out[path] + table
+        if formed is not None:
+            weighted = ops.tensordot(ops.cast(c, formed.dtype), formed, axes=1)
+        elif layer.tie_weights:
+            weighted = ops.einsum("btv,btd->vd", G, h * ops.cast(c, h.dtype)[:, None, None])
+        else:
+            weighted = ops.einsum("btd,btv->dv", h * ops.cast(c, h.dtype)[:, None, None], G)
+        path = layer.embeddings.path if layer.tie_weights else layer.reverse_embeddings.path
+        out[path] = weighted if path not in out else out[path] + weighted
         return out
