@@ -43,13 +43,45 @@ def forks():
 #: test modules whose results do not depend on the Keras backend (pure accounting,
 #: static checks of files): `tests/run_suite.py` runs them once
 BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_stored.py",
-                       "test_packaging.py", "test_quiet.py"}
+                       "test_packaging.py", "test_quiet.py", "test_suite_groups.py"}
 #: test modules run again in a simulated JAX-only installation (`tests/run_suite.py`)
 WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py"}
-#: test modules whose module-scoped fixtures train models (some in child processes): run
-#: on one pytest-xdist worker (``--dist loadgroup``), so each fixture runs once
+#: tests whose module-scoped fixtures or cached runs train models (some in child
+#: processes): a module, or tests of a module (``module::function``). With ``--dist
+#: loadgroup`` a listed module runs on one pytest-xdist worker, and so do the listed
+#: tests of one module, so each fixture or run is made once (`pytest_xdist_make_scheduler`)
 ONE_WORKER = {"test_certificates.py", "test_contrastive_encoders.py", "test_distributed.py",
-              "test_multiprocess.py", "test_training.py"}
+              "test_multiprocess.py", "test_training.py",
+              "test_layers.py::test_gradient_bounds_are_sound",
+              "test_layers.py::test_bounds_are_not_vacuous", "test_layers.py::test_model_save_load"}
+
+
+def one_worker_group(nodeid):
+    """The `ONE_WORKER` group of a test's node id (its module's name), or None."""
+    path, _, name = nodeid.partition("::")
+    module = os.path.basename(path)
+    if module in ONE_WORKER or f"{module}::{name.split('[')[0]}" in ONE_WORKER:
+        return module
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that also sends each `ONE_WORKER` group to one worker.
+
+    pytest-xdist's own groups (``xdist_group`` markers) rename the tests' node ids,
+    which pytest 9.2 no longer reads (pytest-xdist issue 1386): they would be spread
+    over the workers, each setting the shared fixtures up again. These groups are
+    read from the node ids alone."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class OneWorkerGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid):
+            return one_worker_group(nodeid) or super()._split_scope(nodeid)
+
+    return OneWorkerGroups(config, log)
 
 
 def pytest_configure(config):
@@ -57,8 +89,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "without_tensorflow: run again without TensorFlow")
 
 
-# first: pytest-xdist's own hook turns the ``xdist_group`` markers added here into
-# the groups of ``--dist loadgroup``; run after it, they were ignored
+# first: the markers added here select tests (``-m``) in pytest's own hook
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     backend, without_tensorflow = keras.backend.backend(), os.environ.get(VARIABLE) == "1"
@@ -79,5 +110,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.backend_independent)
         if item.path.name in WITHOUT_TENSORFLOW:
             item.add_marker(pytest.mark.without_tensorflow)
-        if item.path.name in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))

@@ -207,10 +207,6 @@ def train(model, loss, epochs=10, lr=0.5):
     return int(model.optimizer.iterations)
 
 
-#: the tests reading `soundness_run`: on one pytest-xdist worker, so each run is made once
-SOUNDNESS_RUNS = pytest.mark.xdist_group("soundness_run")
-
-
 @functools.lru_cache(maxsize=None)
 def soundness_run(name):
     """Soundness of ``name`` at initialisation and after ≥ 50 large updates (cached:
@@ -225,7 +221,6 @@ def soundness_run(name):
     return {"init": init, "trained": trained, "steps": steps, "moved": moved, "model": model}
 
 
-@SOUNDNESS_RUNS
 @pytest.mark.parametrize("name", MODELS)
 def test_gradient_bounds_are_sound(name):
     run = soundness_run(name)
@@ -237,7 +232,6 @@ def test_gradient_bounds_are_sound(name):
     assert not bad_after, f"{name} after training: gradients above bounds for {bad_after} ({worst_after})"
 
 
-@SOUNDNESS_RUNS
 def test_bounds_are_not_vacuous():
     run = soundness_run("mlp_quick")
     assert not run["init"][1] and not run["trained"][1]
@@ -511,7 +505,6 @@ def test_layer_config_round_trip(make, shape, rng):
     assert clone.backpropagate_inputs(2.0, 1.5) == layer.backpropagate_inputs(2.0, 1.5)
 
 
-@SOUNDNESS_RUNS
 @pytest.mark.parametrize("name", ["convnet", "mlp_mixed", "functional"])
 def test_model_save_load(name, tmp_path):
     model, loss = soundness_run(name)["model"], LOSSES[name]()  # trained and compiled
