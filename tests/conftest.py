@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KDP_NOTEBOOK_SMALL", "1")
 
 import _one_backend  # noqa: E402
+from _groups import pytest_xdist_make_scheduler  # noqa: E402, F401
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -46,42 +47,6 @@ BACKEND_INDEPENDENT = {"test_docs_site.py", "test_layering.py", "test_notebooks_
                        "test_packaging.py", "test_quiet.py", "test_suite_groups.py"}
 #: test modules run again in a simulated JAX-only installation (`tests/run_suite.py`)
 WITHOUT_TENSORFLOW = {"test_cli.py", "test_packaging.py"}
-#: tests whose module-scoped fixtures or cached runs train models (some in child
-#: processes): a module, or tests of a module (``module::function``). With ``--dist
-#: loadgroup`` a listed module runs on one pytest-xdist worker, and so do the listed
-#: tests of one module, so each fixture or run is made once (`pytest_xdist_make_scheduler`)
-ONE_WORKER = {"test_certificates.py", "test_contrastive_encoders.py", "test_distributed.py",
-              "test_multiprocess.py", "test_training.py",
-              "test_layers.py::test_gradient_bounds_are_sound",
-              "test_layers.py::test_bounds_are_not_vacuous", "test_layers.py::test_model_save_load"}
-
-
-def one_worker_group(nodeid):
-    """The `ONE_WORKER` group of a test's node id (its module's name), or None."""
-    path, _, name = nodeid.partition("::")
-    module = os.path.basename(path)
-    if module in ONE_WORKER or f"{module}::{name.split('[')[0]}" in ONE_WORKER:
-        return module
-    return None
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` that also sends each `ONE_WORKER` group to one worker.
-
-    pytest-xdist's own groups (``xdist_group`` markers) rename the tests' node ids,
-    which pytest 9.2 no longer reads (pytest-xdist issue 1386): they would be spread
-    over the workers, each setting the shared fixtures up again. These groups are
-    read from the node ids alone."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class OneWorkerGroups(LoadGroupScheduling):
-        def _split_scope(self, nodeid):
-            return one_worker_group(nodeid) or super()._split_scope(nodeid)
-
-    return OneWorkerGroups(config, log)
 
 
 def pytest_configure(config):

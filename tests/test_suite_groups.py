@@ -1,11 +1,11 @@
-"""The suite's own scheduling (`tests/conftest.py`): the tests that share a trained
+"""The suite's own scheduling (`tests/_groups.py`): the tests that share a trained
 fixture or run stay on one pytest-xdist worker, whatever pytest's version."""
 
 import ast
 import os
 import types
 
-import conftest
+import _groups
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,7 +17,7 @@ def _functions(module):
     return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
-@pytest.mark.parametrize("entry", sorted(conftest.ONE_WORKER))
+@pytest.mark.parametrize("entry", sorted(_groups.ONE_WORKER))
 def test_every_one_worker_entry_names_a_test_module_or_function(entry):
     module, _, function = entry.partition("::")
     assert os.path.exists(os.path.join(HERE, module)), f"{entry}: no module {module}"
@@ -27,7 +27,7 @@ def test_every_one_worker_entry_names_a_test_module_or_function(entry):
 def _scheduler(dist="loadgroup"):
     pytest.importorskip("xdist")
     config = types.SimpleNamespace(getvalue={"dist": dist, "tx": ["2*popen"]}.get)
-    return conftest.pytest_xdist_make_scheduler(config=config, log=None)
+    return _groups.pytest_xdist_make_scheduler(config=config, log=None)
 
 
 def test_a_listed_module_and_the_listed_tests_of_a_module_are_one_scope_each():
