@@ -9,7 +9,7 @@ kdp's own modules import `kdp.privacy` and `kdp.training.budget` directly.
 from kdp.compat import DPGD_Mechanism  # noqa: F401 (lip-dp's name, refused with a pointer)
 from kdp.privacy import (  # noqa: F401
     ACCOUNTANTS, ADD_OR_REMOVE_ONE, ASSUMPTIONS, RDP_ORDERS, REPLACE_ONE, REPLACE_ONE_ORDERS,
-    SAMPLINGS, CalibratedNoiseMultiplier, calibrate_noise_multiplier, compute_epsilon,
+    SAMPLINGS, CalibratedNoiseMultiplier, calibrate_noise_multiplier, compute_epsilon, count_fits,
     effective_noise_multiplier, epsilon_of_events, event_from_config, event_to_config,
     largest_count, make_accountant, max_count, max_steps, quantile_event, rdp_curve, rdp_orders,
     training_event)

@@ -13,11 +13,12 @@ import os
 import pytest
 
 #: tests whose module-scoped fixtures or cached runs train models (some in child
-#: processes): a module, or tests of a module (``module::function``). With ``--dist
-#: loadgroup`` a listed module runs on one pytest-xdist worker, and so do the listed
-#: tests of one module, so each fixture or run is made once (`pytest_xdist_make_scheduler`)
+#: processes) or build the docs site: a module, or tests of a module
+#: (``module::function``). With ``--dist loadgroup`` a listed module runs on one
+#: pytest-xdist worker, and so do the listed tests of one module, so each fixture or
+#: run is made once (`pytest_xdist_make_scheduler`)
 ONE_WORKER = {"test_certificates.py", "test_contrastive_encoders.py", "test_distributed.py",
-              "test_multiprocess.py", "test_training.py",
+              "test_docs_site.py", "test_multiprocess.py", "test_training.py",
               "test_layers.py::test_gradient_bounds_are_sound",
               "test_layers.py::test_bounds_are_not_vacuous", "test_layers.py::test_model_save_load"}
 

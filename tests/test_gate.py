@@ -342,6 +342,37 @@ def test_a_step_that_fails_before_running_is_not_charged():
     assert clip.privacy_ledger.training_steps() == 1
 
 
+def test_a_check_on_a_cold_gate_computes_one_epsilon_and_agrees_with_the_allowance(monkeypatch):
+    """`check` tests the count it is asked for (one ε per budget) where `remaining`
+    bisects (some 12 ε here); both refuse from the same count on."""
+    from kdp.privacy import limits
+    from kdp.training.gate import BudgetExceededError, PrivacyGate
+    from kdp.training.ledger import training_mechanism
+
+    calls = []
+    epsilon_of_events = limits.epsilon_of_events
+    monkeypatch.setattr(limits, "epsilon_of_events",
+                        lambda *a, **k: calls.append(1) or epsilon_of_events(*a, **k))
+    step = training_mechanism(2.0, 0.25, "poisson", 4)
+
+    def cold_gate():
+        return PrivacyGate(1e-3, epsilon_max=_gaussian_eps(2.0, 0.25, 40, 1e-3) * (1 + 1e-9),
+                           accountant="rdp")
+
+    cold_gate().check(step, 40)
+    assert len(calls) == 1
+    with pytest.raises(BudgetExceededError, match=r"\(40 allowed\)"):
+        cold_gate().check(step, 41)
+    gate = cold_gate()
+    calls.clear()
+    assert gate.remaining(step) == 40 and len(calls) > 5  # the bisection
+    calls.clear()
+    gate.check(step, 40)  # from the cached allowance
+    with pytest.raises(BudgetExceededError):
+        gate.check(step, 41)
+    assert not calls
+
+
 def test_budget_allowance_follows_every_change_of_the_ledger():
     """The gate caches how many steps a budget allows; any change of the ledger
     (through the gate, directly, or by a merge) must be seen."""

@@ -24,7 +24,7 @@ from kdp.privacy.accountants import (ACCOUNTANT_NAMES, ACCOUNTANTS, ADD_OR_REMOV
 from kdp.privacy.calibration import CalibratedNoiseMultiplier, calibrate_noise_multiplier
 from kdp.privacy.events import (ASSUMPTIONS, SAMPLINGS, effective_noise_multiplier,
                                 quantile_event, training_event)
-from kdp.privacy.limits import largest_count, max_count, max_steps
+from kdp.privacy.limits import count_fits, largest_count, max_count, max_steps
 from kdp.privacy.serialization import event_from_config, event_to_config
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "CalibratedNoiseMultiplier", "PLD_DISCRETIZATION", "PLD_FINEST", "PLD_MIN_NOISE",
     "PLD_RESOLUTION",
     "RDP_ORDERS", "REPLACE_ONE", "REPLACE_ONE_ORDERS", "SAMPLINGS",
-    "accountant_name", "calibrate_noise_multiplier", "check_accountant", "compute_epsilon",
+    "accountant_name", "calibrate_noise_multiplier", "check_accountant", "compute_epsilon", "count_fits",
     "effective_noise_multiplier", "epsilon_of_events", "event_from_config", "event_to_config",
     "largest_count", "make_accountant", "max_count", "max_steps", "pld_interval", "pld_unsupported",
     "quantile_event", "rdp_curve", "rdp_orders", "training_event", "unsupported",

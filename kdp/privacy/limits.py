@@ -13,17 +13,23 @@ def max_count(epsilon_max, delta, events_of, spent_events=(), accountant="tighte
     ``events_of``: ``n -> [DpEvent]``, the releases of ``n`` more units of work
     (non-decreasing in ``n``); ``planned``: optional ``n -> [DpEvent]``, other
     releases those ``n`` bring along (e.g. adaptive clipping's quantiles).
-    Bisection on the non-decreasing ε(n); returns 0 if even one unit exceeds it.
+    Bisection on the non-decreasing ε(n) (`count_fits`); returns 0 if even one unit
+    exceeds it.
     """
     check_positive(epsilon_max=epsilon_max)
     spent_events = list(spent_events)
+    return largest_count(lambda units: count_fits(
+        epsilon_max, delta, events_of, units * unit, spent_events, accountant, planned,
+        neighboring)) * unit
 
-    def eps(units):
-        extra = list(planned(units * unit)) if planned is not None else []
-        return epsilon_of_events(spent_events + extra + list(events_of(units * unit)), delta,
-                                 accountant, neighboring)
 
-    return largest_count(lambda units: eps(units) <= epsilon_max) * unit
+def count_fits(epsilon_max, delta, events_of, n, spent_events=(), accountant="tightest",
+               planned=None, neighboring=ADD_OR_REMOVE_ONE):
+    """Whether ε(spent + events_of(n) + planned(n)) ≤ epsilon_max: one ε where
+    `max_count` computes several (arguments as there)."""
+    extra = list(planned(n)) if planned is not None else []
+    return epsilon_of_events(list(spent_events) + extra + list(events_of(n)), delta, accountant,
+                             neighboring) <= epsilon_max
 
 
 def largest_count(fits):

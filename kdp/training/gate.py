@@ -170,17 +170,36 @@ class PrivacyGate:
         cached = self._allowance.get(key)
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
+        allowed = min(privacy.max_count(eps_max, self.delta, events_of, spent, accountant,
+                                        planned=planned, neighboring=self.neighboring)
+                      for spent, events_of, planned, eps_max, accountant in self._limits(mechanism))
+        self._allowance[key] = (fingerprint, allowed)
+        return allowed
+
+    def _fits(self, mechanism, count):
+        """Whether ``count`` more releases of ``mechanism`` fit every budget: `remaining`'s
+        test at ``count`` alone (one ε per budget, where `remaining` bisects), or its
+        cached allowance."""
+        cached = self._allowance.get(json.dumps(mechanism, sort_keys=True))
+        if cached is not None and cached[0] == self._fingerprint():
+            return count <= cached[1]
+        return all(privacy.count_fits(eps_max, self.delta, events_of, count, spent, accountant,
+                                      planned=planned, neighboring=self.neighboring)
+                   for spent, events_of, planned, eps_max, accountant in self._limits(mechanism))
+
+    def _limits(self, mechanism):
+        """``(spent events, n -> events of n releases, planned, epsilon_max, accountant)``
+        for each budget in force."""
         spent = self.ledger.events()
         # Plans accompany training steps: n more steps bring their releases along.
         planned = self.planned_events if self.plans and mechanism["kind"] == "training" else None
         ahead = [mechanism_event(mechanism, 1)] + (planned(1) if planned else [])
-        allowed = min(
-            privacy.max_count(
-                eps_max, self.delta, lambda n: [mechanism_event(mechanism, n)], spent, accountant,
-                planned=planned, neighboring=self.neighboring)
-            for eps_max, accountant in self.budgets(spent + ahead))
-        self._allowance[key] = (fingerprint, allowed)
-        return allowed
+
+        def events_of(n):
+            return [mechanism_event(mechanism, n)]
+
+        return [(spent, events_of, planned, eps_max, accountant)
+                for eps_max, accountant in self.budgets(spent + ahead)]
 
     def _fingerprint(self):
         """Changes whenever the ledger, the plans or the persistent budget may have
@@ -190,18 +209,19 @@ class PrivacyGate:
 
     def check(self, mechanism, count=1):
         """Raise `BudgetExceededError` unless ``count`` more releases fit every budget."""
-        allowed = self.remaining(mechanism)
-        if count > allowed:
-            eps, _ = self.privacy_spent()
-            limits = ", ".join(f"epsilon_max={e:g} ({a})" for e, a in self.budgets())
-            state = "exhausted" if allowed == 0 else "insufficient"
-            raise BudgetExceededError(
-                f"privacy budget {state}: {self.name} already spent ε={eps:.4g} (δ={self.delta:g}) "
-                f"over {self.ledger.training_steps()} steps, and {count} more release(s) would "
-                f"exceed {limits} ({allowed} allowed); nothing was run"
-                + (". One release at this noise already costs more than the budget: add noise "
-                   "(a DP model's make_private(target_epsilon, epochs) calibrates it) or raise "
-                   "the budget" if allowed == 0 and not self.ledger.entries else ""))
+        if self._fits(mechanism, count):
+            return
+        allowed = self.remaining(mechanism)  # for the message
+        eps, _ = self.privacy_spent()
+        limits = ", ".join(f"epsilon_max={e:g} ({a})" for e, a in self.budgets())
+        state = "exhausted" if allowed == 0 else "insufficient"
+        raise BudgetExceededError(
+            f"privacy budget {state}: {self.name} already spent ε={eps:.4g} (δ={self.delta:g}) "
+            f"over {self.ledger.training_steps()} steps, and {count} more release(s) would "
+            f"exceed {limits} ({allowed} allowed); nothing was run"
+            + (". One release at this noise already costs more than the budget: add noise "
+               "(a DP model's make_private(target_epsilon, epochs) calibrates it) or raise "
+               "the budget" if allowed == 0 and not self.ledger.entries else ""))
 
     # -- the gate --------------------------------------------------------------------------
     @contextlib.contextmanager
