@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from kdp import layers, losses
+from kdp import autodiff, layers, losses
 from kdp.callbacks import DP_Accountant
 from kdp.model import DP_Sequential, DPParameters
 from kdp.pipeline import DatasetMetadata
@@ -216,6 +216,37 @@ def test_labels_a_keras_loss_cannot_take_are_refused_before_any_step(labels, los
     assert ("class ids must lie in [0, 4)" in message if labels == "ids+2"
             else f"labels of shape {y.shape}" in message)  # the user's shapes, not the padded batch
     assert model.privacy_ledger.training_steps() == 0
+
+
+def test_the_loss_is_probed_once_per_example_shape_and_refused_labels_still_are(monkeypatch):
+    """`probe_loss` runs at the first fit, not again for arrays of the same shapes
+    and dtypes; labels of another shape are probed, and refused, after a fit."""
+    from kdp.training import validation
+
+    x, y = _data(N, 0)
+    model = _clipping_model()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    probes = []
+    evaluate_shapes = autodiff.evaluate_shapes
+    monkeypatch.setattr(autodiff, "evaluate_shapes", lambda fn, *a: probes.append(
+        fn.__qualname__.startswith("probe_loss")) or evaluate_shapes(fn, *a))
+    model.fit(x, y, epochs=1, verbose=0)
+    model.fit(x, y, epochs=1, verbose=0)
+    assert sum(probes) == 1
+    steps = model.privacy_ledger.training_steps()
+    with pytest.raises(validation.DataValidationError, match="labels of shape"):
+        model.fit(x, keras.utils.to_categorical(y, K), epochs=1, verbose=0)
+    assert sum(probes) == 2 and model.privacy_ledger.training_steps() == steps
+
+
+def test_keras_compile_loss_is_built_so_a_fit_does_not_trace_the_model_again():
+    """kdp computes the loss itself; Keras' ``CompileLoss`` left unbuilt would make
+    every ``fit`` and ``evaluate`` trace the model symbolically again."""
+    x, y = _data(N, 0)
+    model = _clipping_model()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, epochs=1, verbose=0)
+    assert model._compile_loss.built
 
 
 def test_model_checkpoint_placed_first_can_name_files_by_epsilon(tmp_path):

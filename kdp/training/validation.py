@@ -46,6 +46,8 @@ step is recorded in the ledger, so a refused batch costs nothing. It checks
 Errors never quote values of the private data.
 """
 
+import weakref
+
 import keras
 import numpy as np
 
@@ -238,9 +240,15 @@ def _check_class_ids(y, width):
 def probe_loss(model, x, y, rows=2):
     """Compute the loss on the first ``rows`` examples, outside any step (nothing
     is released), so that labels the loss cannot take are refused with their
-    real shapes (an error from inside the step would quote the padded batch)."""
+    real shapes (an error from inside the step would quote the padded batch).
+    Once per built model, loss and shapes and dtypes of an example and its label
+    (the outcome depends on nothing else)."""
     from kdp.autodiff import evaluate_shapes
 
+    key = (model.loss, repr(keras.tree.map_structure(_example_spec, (x, y))))
+    probed = _PROBED.setdefault(model, set())
+    if model.built and key in probed:
+        return
     x_few = keras.tree.map_structure(lambda a: a[:rows], x)
     y_few = y[:rows]
     shapes = []
@@ -261,6 +269,16 @@ def probe_loss(model, x, y, rows=2):
             f"outputs of shape {outputs}: {first}. A sparse loss takes class ids of shape "
             "(N,), a categorical one label vectors of shape (N, classes). Nothing was spent."
         ) from e
+    if model.built:
+        probed.add(key)
+
+
+#: model -> the ``(loss, example specs)`` `probe_loss` accepted for it
+_PROBED = weakref.WeakKeyDictionary()
+
+
+def _example_spec(array):
+    return tuple(array.shape[1:]), str(array.dtype)
 
 
 def _loss_name(loss):
