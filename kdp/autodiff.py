@@ -87,6 +87,19 @@ def host_check(check, after):
     return keras.ops.convert_to_tensor(call())
 
 
+def sequential_loop(lower, upper, body, init):
+    """`keras.ops.fori_loop` whose iterations run one after the other: TensorFlow's
+    ``while_loop`` otherwise runs up to 10 iterations at once where one does not read
+    the previous one's result (the passes of virtual batches), and with them their
+    memory (JAX's loops are sequential)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.while_loop(lambda i, _: i < upper, lambda i, value: (i + 1, body(i, value)),
+                             (lower, init), parallel_iterations=1)[1]
+    return keras.ops.fori_loop(lower, upper, body, init)
+
+
 def evaluate_shapes(fn, *args):
     """``fn(*args)`` for its shapes and errors: on JAX traced on abstract
     tensors of ``args``' shapes and dtypes (``jax.eval_shape``: no compute,

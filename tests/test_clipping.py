@@ -156,28 +156,44 @@ def test_padding_rows_contribute_nothing():
 
 
 def test_virtual_batches_equal_one_batch():
-    model, x, y, w = _build("conv2d", clipping_norm=0.5, physical_batch_size=5)  # 16 = 5+5+5+1 (padded)
-    whole = clipping.clipped_gradient_sum(model, x, y, w)
-    chunked = _chunked_sum(model, keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y),
-                                    keras.ops.convert_to_tensor(w), 5)
+    """Chunks of 5 rows (16 = 5+5+5+1, the last padded) give one pass's clipped sum,
+    losses and outputs (collected in the form of Keras' predictions)."""
+    model, x, y, w = _build("conv2d", clipping_norm=0.5, physical_batch_size=5)
+    whole, losses, outputs = clipping.clipped_gradient_sum(model, x, y, w, with_losses=True,
+                                                           with_outputs=True)
+    tensors = [keras.ops.convert_to_tensor(a) for a in (x, y, w)]
+    chunked, chunk_losses, chunk_outputs = _chunked_sum(model, *tensors, 5, like=model(x))
     for p in whole:
         assert _rel_err(chunked[p], whole[p]) < 1e-5
+    assert _rel_err(chunk_losses, losses) < 1e-5 and chunk_losses.shape == (len(y),)
+    assert _rel_err(chunk_outputs, outputs) < 1e-5 and chunk_outputs.shape == outputs.shape
 
 
-def _objective_gradient(model, x, y, w):
+def _objective_gradient(model, x, y, w, any_batch_size=False):
     """∇ of the real training objective (`stateless_compute_loss`, training=True),
-    inside the privacy gate (recorded as one step, as any noisy objective)."""
-    y_pred = model(x)
-    others = [v.value for v in model.non_trainable_variables]
-    metrics = [v.value for v in model.metrics_variables]
+    inside the privacy gate (recorded as one step, as any noisy objective).
+    ``any_batch_size`` (TensorFlow): traced once with the batch size unknown, as
+    Keras' ``fit`` traces its step after a second batch shape."""
+    def compute(x, y, w):
+        y_pred = model(x)
+        others = [v.value for v in model.non_trainable_variables]
+        metrics = [v.value for v in model.metrics_variables]
 
-    def objective(*values):
-        loss, _ = model.stateless_compute_loss(list(values), others, metrics, x=x, y=y, y_pred=y_pred,
-                                               sample_weight=w, training=True)
-        return loss
+        def objective(*values):
+            loss, _ = model.stateless_compute_loss(list(values), others, metrics, x=x, y=y, y_pred=y_pred,
+                                                   sample_weight=w, training=True)
+            return loss
 
-    with model.privacy_gate.spend(model.step_plan().batch_mechanism):
         return gradient(objective, *[v.value for v in model.trainable_variables])
+
+    if any_batch_size:
+        import tensorflow as tf
+
+        compute = tf.function(compute, input_signature=[
+            tf.TensorSpec((None,) + x.shape[1:], x.dtype), tf.TensorSpec((None,), y.dtype),
+            tf.TensorSpec((None,), w.dtype)])
+    with model.privacy_gate.spend(model.step_plan().batch_mechanism):
+        return compute(x, y, w)
 
 
 @pytest.mark.parametrize("physical_batch_size", [None, 6])
@@ -198,8 +214,7 @@ def test_training_objective_gradient_is_clipped_sum_plus_noise(physical_batch_si
 def test_a_steps_metrics_are_those_of_the_per_example_pass(kind, physical_batch_size, monkeypatch):
     """The step's predictions come from the per-example pass (Keras' forward pass is
     then unused): its metrics (unweighted, Keras' ``metrics``) equal those of the
-    model before the update; with virtual batches Keras' own predictions serve,
-    with the same values."""
+    model before the update, with or without virtual batches."""
     from kdp.training import objective as training_objective
 
     model, x, y, w = _build(kind, physical_batch_size=physical_batch_size)
@@ -220,9 +235,36 @@ def test_a_steps_metrics_are_those_of_the_per_example_pass(kind, physical_batch_
     xent = -(logits - np.log(np.exp(logits).sum(1, keepdims=True)))[np.arange(BATCH), y]
     assert logs["acc"] == pytest.approx(np.mean(logits.argmax(1) == y), abs=1e-6)
     assert logs["xent"] == pytest.approx(np.mean(xent), rel=1e-4)
-    assert sum(taken) == (0 if physical_batch_size else 1), taken
+    assert sum(taken) == 1, taken
     assert not model.__dict__["_kdp_pass_outputs"]  # nothing left for a later trace
     copy.deepcopy(model)  # the slot does not stop a trained model from being copied
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="TensorFlow traces one step for every batch size; a JAX step knows its rows")
+@pytest.mark.parametrize("rows", ["small", "capacity"])
+def test_a_step_traced_for_every_batch_size_sums_in_passes_of_at_most_the_ladder_size(rows, monkeypatch):
+    """With the batch size unknown when traced, the clipped sum runs in passes of at
+    most the ladder's size below the capacity (a smaller batch: one pass of its own
+    rows), and ∇objective(w) − ∇objective(0) = ḡ / b for a batch of either kind."""
+    from kdp.clipping import engine
+    from kdp.training.sampling import poisson_batch_shapes
+
+    model, x, y, w = _build("dense", clipping_norm=0.3)
+    shapes = poisson_batch_shapes(BATCH, N)
+    if rows == "capacity":
+        index = np.arange(shapes[-1]) % BATCH
+        x, y, w = x[index], y[index], w[index]
+    chunked = []
+    chunked_sum = engine._chunked_sum
+    monkeypatch.setattr(engine, "_chunked_sum", lambda *a, **k: chunked.append(a[-1]) or chunked_sum(*a, **k))
+    model(x)
+    with_data = _objective_gradient(model, x, y, w, any_batch_size=True)
+    noise_only = _objective_gradient(model, x, y, np.zeros_like(w), any_batch_size=True)
+    assert chunked == [shapes[-2]] * 2
+    expected = clipping.clipped_gradient_sum(model, x, y, w)
+    for v, g1, g0 in zip(model.trainable_variables, with_data, noise_only):
+        assert _rel_err(np.asarray(g1) - np.asarray(g0), np.asarray(expected[v.path]) / BATCH) < 1e-4
 
 
 @pytest.mark.parametrize("mode", ["flat", "per-layer"])
@@ -476,7 +518,7 @@ def test_a_batch_above_the_ladder_runs_as_virtual_batches(monkeypatch):
     shapes = poisson_batch_shapes(BATCH, N)
     assert virtual_batch_rows(model, shapes[-1]) == shapes[-2]
     assert virtual_batch_rows(model, shapes[-2]) is None
-    assert virtual_batch_rows(model, None) is None      # an unknown size: one pass
+    assert virtual_batch_rows(model, None) == shapes[-2]  # an unknown size (TensorFlow): at most that
     explicit = _build("dense", physical_batch_size=6)[0]        # physical_batch_size: chunks of 6 rows
     assert [virtual_batch_rows(explicit, rows) for rows in (None, 7, 6)] == [6, 6, None]
     rows = np.arange(shapes[-1]) % BATCH

@@ -55,8 +55,9 @@ Memory: ``physical_batch_size=k`` computes ḡ over chunks of ``k`` rows of the
 (padded) Poisson batch in a loop inside the step ("virtual batches"): one
 logical step, one noise draw, one optimizer update, one accounted step. Without
 it, a batch padded above the ladder's size below the capacity runs in virtual
-batches of that size (`kdp.training.objective.virtual_batch_rows`), which caps the
-step's memory.
+batches of that size (`kdp.training.objective.virtual_batch_rows`; on TensorFlow,
+whose step is traced for every batch size, the passes take ``min(rows, size)``
+rows), which caps the step's memory.
 
 Random layers (Dropout, GaussianNoise, augmentation layers) draw per-example
 values in that pass (`kdp.autodiff.ExampleSeeds`), and the loss reported is

@@ -105,36 +105,56 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
     return sums, ops.cast(losses, "float32"), outputs
 
 
-def _chunked_sum(model, x, y, weights, chunk, with_losses=False):
-    """`clipped_gradient_sum` over chunks of ``chunk`` rows (virtual batches; whether
-    a batch needs them is `kdp.training.objective.virtual_batch_rows`' call)."""
+def _chunked_sum(model, x, y, weights, chunk, like=None):
+    """`clipped_gradient_sum` over virtual batches of at most ``chunk`` rows: passes of
+    ``min(rows, chunk)`` rows in a loop, the last padded with zero-weight rows. The
+    number of rows may be known only when the step runs (TensorFlow traces one step
+    for every batch size): a batch that fits in ``chunk`` rows is then one pass of
+    its own rows. Whether a batch needs virtual batches is
+    `kdp.training.objective.virtual_batch_rows`' call.
+
+    Args:
+        chunk: the largest number of rows of one pass.
+        like: the model's outputs for the batch (Keras' forward pass; only their
+            structure, shapes and dtypes are read) to collect each pass's outputs
+            in the same form, or ``None``.
+
+    Returns:
+        ``(sums, losses, outputs)``: as `clipped_gradient_sum`'s, the outputs ``None``
+        without ``like`` or with several augmented views.
+    """
+    if model.dp_parameters.augmentation_multiplicity > 1:
+        like = None
     n_rows = ops.shape(y)[0]
-    pad = (-n_rows) % chunk
-    x = keras.tree.map_structure(lambda t: _pad_rows(t, pad), x)
-    y = _pad_rows(y, pad)
-    weights = _pad_rows(weights, pad)
-    steps = (n_rows + pad) // chunk
-    init = [ops.zeros(v.shape, v.dtype) for v in model.trainable_variables]
+    chunk = min(n_rows, chunk) if isinstance(n_rows, int) else ops.minimum(n_rows, chunk)
+    steps = (n_rows + chunk - 1) // chunk
+    padded = steps * chunk
+    x = keras.tree.map_structure(lambda t: _pad_rows(t, padded - n_rows), x)
+    y = _pad_rows(y, padded - n_rows)
+    weights = _pad_rows(weights, padded - n_rows)
     paths = [v.path for v in model.trainable_variables]
-    if with_losses:
-        init.append(ops.zeros((n_rows + pad,), "float32"))  # the per-example losses
+    init = [[ops.zeros(v.shape, v.dtype) for v in model.trainable_variables],
+            ops.zeros((padded,), "float32")]  # the per-example losses
+    if like is not None:
+        init.append(keras.tree.map_structure(
+            lambda t: ops.zeros((padded,) + tuple(t.shape[1:]), t.dtype), like))
 
     def body(i, acc):
+        sums, losses, *outputs = acc
         start = i * chunk
         xs = keras.tree.map_structure(lambda t: _rows(t, start, chunk), x)
-        ys = _rows(y, start, chunk)
-        ws = _rows(weights, start, chunk)
-        part = clipped_gradient_sum(model, xs, ys, ws, first_row=start, with_losses=with_losses)
-        if not with_losses:
-            return [a + part[p] for a, p in zip(acc, paths)]
-        part, losses = part
+        part, values, out = clipped_gradient_sum(
+            model, xs, _rows(y, start, chunk), _rows(weights, start, chunk), first_row=start,
+            with_losses=True, with_outputs=True)
         rows = ops.expand_dims(start + ops.arange(chunk, dtype="int32"), 1)
-        return ([a + part[p] for a, p in zip(acc, paths)]
-                + [ops.scatter_update(acc[-1], rows, losses)])
+        outputs = [keras.tree.map_structure(lambda a, o: ops.scatter_update(a, rows, ops.cast(o, a.dtype)),
+                                            collected, out) for collected in outputs]
+        return [[a + part[p] for a, p in zip(sums, paths)], ops.scatter_update(losses, rows, values),
+                *outputs]
 
-    total = ops.fori_loop(0, steps, body, init)
-    sums = dict(zip(paths, total))
-    return (sums, ops.slice(total[-1], [0], [n_rows])) if with_losses else sums
+    sums, losses, *outputs = autodiff.sequential_loop(0, steps, body, init)
+    outputs = keras.tree.map_structure(lambda t: _rows(t, 0, n_rows), outputs[0]) if outputs else None
+    return dict(zip(paths, sums)), _rows(losses, 0, n_rows), outputs
 
 
 def _pad_rows(t, pad):
@@ -148,17 +168,18 @@ def _rows(t, start, size):
     return ops.slice(t, begin, shape)
 
 
-def clipped_objective(model, x, y, sample_weight, chunk=None):
+def clipped_objective(model, x, y, sample_weight, chunk=None, y_pred=None):
     """The clipping-mode data term: value ``Σ w_i ℓ_i / b``, gradient ``ḡ / b``, and
     the model's outputs for the batch.
 
     The losses ``w_i ℓ_i`` and the outputs are those of the per-example pass that
     computes ḡ (its random draws, its mean over augmented views), so the step
     needs no other forward pass: Keras' own is left unused (a compiler drops
-    it) when the outputs replace its predictions (`kdp.model.DP_Model`). The
-    outputs are ``None`` with virtual batches (``chunk`` rows each, `_chunked_sum`;
-    ``None``: one pass) or several augmented views. The noise term is added by
-    the model.
+    it) when the outputs replace its predictions (`kdp.model.DP_Model`). With
+    ``chunk``, virtual batches of at most ``chunk`` rows (`_chunked_sum`, whose
+    outputs take the form of ``y_pred``, Keras' predictions); ``None``: one pass.
+    The outputs are ``None`` with several augmented views. The noise term is
+    added by the model.
 
     Returns:
         ``(objective, outputs)``.
@@ -169,7 +190,7 @@ def clipped_objective(model, x, y, sample_weight, chunk=None):
     weights = (ops.ones((ops.shape(y)[0],), "float32") if sample_weight is None
                else ops.reshape(ops.cast(sample_weight, "float32"), (-1,)))
     if chunk:
-        (gbar, values), outputs = _chunked_sum(model, x, y, weights, chunk, with_losses=True), None
+        gbar, values, outputs = _chunked_sum(model, x, y, weights, chunk, like=y_pred)
     else:
         gbar, values, outputs = clipped_gradient_sum(model, x, y, weights, with_losses=True,
                                                      with_outputs=True)

@@ -123,7 +123,7 @@ def _offer_pass_outputs(model, outputs):
 def step_predictions(model, y_pred):
     """The predictions of the current training step: the outputs the clipping
     objective offered within `pass_outputs` (taken once), else ``y_pred`` (outside a
-    training step, Clipless models, virtual batches, several augmented views)."""
+    training step, Clipless models, several augmented views)."""
     slot = _slot(model)
     return slot.pop() if slot else y_pred
 
@@ -138,26 +138,30 @@ def with_step_predictions(model, aux):
 
 
 def virtual_batch_rows(model, batch):
-    """The rows of each virtual batch a step of ``batch`` rows (``None``: unknown
-    when traced) computes ḡ over, or ``None`` for one pass of the whole batch.
+    """The most rows one per-example pass of a step of ``batch`` rows (``None``:
+    unknown when traced) computes ḡ over (virtual batches), or ``None`` for one pass
+    of the whole batch.
 
     ``physical_batch_size=k`` given: ``k``, unless the batch is known to fit in
-    it. Otherwise a batch known to exceed the largest size of the padding ladder
-    below its capacity (`kdp.training.sampling.poisson_batch_shapes`, ``b + 2s``
-    with three sizes) runs in virtual batches of that size. That caps the step's
-    memory: the capacity ``b + 6√b + 8`` (74 rows at ``b = 32``) pads about 2 %
-    of the Poisson batches, and its pass took 2.8 times the buffers of a plain
-    step of ``b`` rows on a BERT encoder (1.45 times at ``b + 2s``). The sum is
-    the same: each example is run alone with its own seeds either way. Not
-    with data-parallel replicas (their ladder is rounded to shard evenly)."""
+    it. Otherwise the largest size of the padding ladder below its capacity
+    (`kdp.training.sampling.poisson_batch_shapes`, ``b + 2s`` with three sizes)
+    for a batch known to exceed it or of unknown size (TensorFlow traces one step
+    for every size; a batch that fits runs one pass of its own rows). That caps
+    the step's memory: the capacity ``b + 6√b + 8`` (74 rows at ``b = 32``) pads
+    about 2 % of the Poisson batches, and its pass took 2.8 times the buffers of
+    a plain step of ``b`` rows on a BERT encoder (1.45 times at ``b + 2s``). The
+    sum is the same: each example is run alone with its own seeds either way.
+    Not with data-parallel replicas (their ladder is rounded to shard evenly)."""
     explicit = model.dp_parameters.physical_batch_size
     if explicit:
         return None if batch is not None and batch <= explicit else explicit
     meta = model.dataset_metadata
-    if batch is None or meta is None or distribute.num_replicas(model) > 1:
+    if meta is None or distribute.num_replicas(model) > 1:
         return None
     shapes = poisson_batch_shapes(meta.batch_size, meta.nb_samples_train, model.dp_parameters.batch_shapes)
-    return shapes[-2] if len(shapes) > 1 and batch > shapes[-2] else None
+    if len(shapes) == 1 or (batch is not None and batch <= shapes[-2]):
+        return None
+    return shapes[-2]
 
 
 def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
@@ -185,7 +189,7 @@ def objective(model, x, y, y_pred, sample_weight, training, seed_generator):
         # gradients are clipped (its random draws, its views): Keras' forward pass is
         # then left unused.
         chunk = virtual_batch_rows(model, ops.convert_to_tensor(y).shape[0])
-        total, outputs = clipping.clipped_objective(model, x, y, sample_weight, chunk)  # grad: ḡ/b
+        total, outputs = clipping.clipped_objective(model, x, y, sample_weight, chunk, y_pred)  # grad: ḡ/b
         _offer_pass_outputs(model, outputs)
     else:
         total = ops.sum(weighted_losses()) / plan.batch_size
