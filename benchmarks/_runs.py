@@ -30,6 +30,20 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def add_cores_argument(parser):
+    """``--cores N``: every kind runs on N of the CPUs (`use_cores`, called by the child)."""
+    parser.add_argument("--cores", type=int, default=None,
+                        help="run each kind on this many CPUs (1: one thread); default: all")
+
+
+def use_cores(cores):
+    """Run this process on the first ``cores`` CPUs it may use (``None``: all), before
+    a backend is imported: XLA and TensorFlow size their thread pools by the CPUs a
+    process may use, so ``cores=1`` measures one thread."""
+    if cores:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
+
+
 def print_table(results, baseline):
     """Print ``{kind: {"time": seconds a step, "peak_mb": MB}}`` with each time's and
     memory's ratio to those of ``baseline``."""
@@ -53,7 +67,8 @@ def print_buffers(buffers, baseline, batch):
 
 def encoder_parser(description, kinds):
     """The command line of the BERT-encoder benchmarks: the encoder's shape, the
-    steps timed, the ``kinds`` to run, a timeout per child and ``--child``."""
+    steps timed, the ``kinds`` to run, a timeout per child, ``--child`` and
+    ``--cores``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=64)
@@ -66,6 +81,7 @@ def encoder_parser(description, kinds):
     parser.add_argument("--kinds", nargs="+", default=list(kinds))
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--child")
+    add_cores_argument(parser)
     return parser
 
 
@@ -79,7 +95,8 @@ def run_children(script, args, names, env=None):
         cmd = [sys.executable, script, "--child", kind] + [f"--{k}={getattr(args, k)}" for k in names]
         child_env = dict(os.environ, **env(kind)) if env else None
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env)
+            out = subprocess.run(cmd + ([f"--cores={args.cores}"] if args.cores else []), capture_output=True,
+                                 text=True, timeout=args.timeout, env=child_env)
         except subprocess.TimeoutExpired:
             sys.stderr.write(f"{kind}: over {args.timeout} s\n")
             continue

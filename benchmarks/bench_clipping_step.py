@@ -33,7 +33,7 @@ a Poisson batch to the smallest of its static sizes that holds it
 rows than (a). The ratios are measured in the same run; ``--json PATH`` also
 writes the numbers.
 
-    KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py [--models mlp cnn] [--batches 256 1024 4096] [--steps 20]
+    KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py [--models mlp cnn] [--batches 256 1024 4096] [--steps 20] [--cores 1]
     KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py --digits   # accuracy at ε = 1, 3, 8
 """
 
@@ -42,6 +42,8 @@ import json
 import os
 import subprocess
 import sys
+
+from _runs import add_cores_argument, use_cores
 
 BATCHES = (256, 1024, 4096)
 KINDS = ("keras", "clipless", "clipping")
@@ -112,7 +114,8 @@ def speed(args):
     import keras
 
     device = {"jax": lambda: __import__("jax").devices()[0].device_kind}.get(keras.backend.backend(), str)()
-    print(f"backend={keras.backend.backend()} {device}  wall time of one fit / its steps (kdp {args.steps} "
+    cores = f" on {args.cores} CPU(s)" if args.cores else ""
+    print(f"backend={keras.backend.backend()} {device}{cores}  wall time of one fit / its steps (kdp {args.steps} "
           f"steps after {args.warmup} warm-up steps, median of {args.repeats} fits); memory = peak RSS - RSS after imports")
     print(f"{'model':>5} {'batch':>6} | {'keras ms':>9} {'clipless ms':>11} {'clipping ms':>11} | "
           f"{'(b)/(a)':>7} {'(c)/(a)':>7} {'(c)/(b)':>7} | {'MB a':>6} {'MB b':>6} {'MB c':>6}")
@@ -125,7 +128,8 @@ def speed(args):
                        "--steps", str(args.steps), "--warmup", str(args.warmup),
                        "--repeats", str(args.repeats)]
                 try:
-                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                    out = subprocess.run(cmd + ([f"--cores={args.cores}"] if args.cores else []),
+                                         capture_output=True, text=True, timeout=args.timeout)
                 except subprocess.TimeoutExpired:
                     sys.stderr.write(f"{model_name} {kind} b={batch}: over {args.timeout} s\n")
                     res[kind] = None
@@ -199,6 +203,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", help="also write the timing results to this file")
     parser.add_argument("--child", nargs=3)
+    add_cores_argument(parser)
     parser.add_argument("--digits", action="store_true")
     parser.add_argument("--digits-batch", type=int, default=256)
     parser.add_argument("--digits-epochs", type=int, default=30)
@@ -207,6 +212,7 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
     if args.child:
+        use_cores(args.cores)
         child(args.child[0], args.child[1], int(args.child[2]), args.steps, args.warmup, args.repeats)
     elif args.digits:
         digits(args)

@@ -26,13 +26,13 @@ print the buffers XLA assigns to each compiled shape of the step (`_runs.xla_ste
 the step's own memory, without compilation and the runtime, which peak RSS counts.
 
     KERAS_BACKEND=jax python benchmarks/bench_transformer.py [--batch 32] [--length 64] [--width 128]
-        [--steps 10] [--dropout 0.1] [--buffers]
+        [--steps 10] [--dropout 0.1] [--buffers] [--cores 1]
 """
 
 import json
 import os
 
-from _runs import encoder_parser, print_buffers, print_table, run_children, xla_step_buffers
+from _runs import encoder_parser, print_buffers, print_table, run_children, use_cores, xla_step_buffers
 
 KINDS = ("keras", "clipping", "vmap")
 VOCABULARY = 1000
@@ -92,13 +92,14 @@ def main():
                         help="JAX: also the buffer memory XLA assigns to each compiled step shape")
     args = parser.parse_args()
     if args.child:
+        use_cores(args.cores)
         return child(args.child, args)
     import keras
 
     print(f"backend={keras.backend.backend()} BERT encoder: {args.layers} layers, width {args.width}, "
           f"T={args.length}, b={args.batch}, dropout {args.dropout}; wall time of one fit / its steps "
           f"({args.steps} steps after {args.warmup} warm-up steps), median of {args.repeats} fits; "
-          f"memory = peak RSS - RSS after imports")
+          f"memory = peak RSS - RSS after imports" + (f"; on {args.cores} CPU(s)" if args.cores else ""))
     names = ("batch", "length", "width", "layers", "steps", "warmup", "repeats", "dropout")
     print_table(run_children(os.path.abspath(__file__), args, names), "keras")
     if keras.backend.backend() == "jax" and args.buffers:

@@ -38,7 +38,7 @@ import statistics
 import time
 
 import torch
-from _runs import encoder_parser, print_table, run_children
+from _runs import encoder_parser, print_table, run_children, use_cores
 from torch import nn
 
 KINDS = ("torch", "hooks", "ghost")
@@ -134,6 +134,7 @@ def child(kind, args):
 def main():
     args = encoder_parser(__doc__.split("\n")[0], KINDS).parse_args()
     if args.child:
+        use_cores(args.cores)
         return child(args.child, args)
     import opacus
 
