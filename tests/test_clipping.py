@@ -240,33 +240,6 @@ def test_a_steps_metrics_are_those_of_the_per_example_pass(kind, physical_batch_
     copy.deepcopy(model)  # the slot does not stop a trained model from being copied
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
-                    reason="TensorFlow traces one step for every batch size; a JAX step knows its rows")
-@pytest.mark.parametrize("rows", ["small", "capacity"])
-def test_a_step_traced_for_every_batch_size_sums_in_passes_of_at_most_the_ladder_size(rows, monkeypatch):
-    """With the batch size unknown when traced, the clipped sum runs in passes of at
-    most the ladder's size below the capacity (a smaller batch: one pass of its own
-    rows), and ∇objective(w) − ∇objective(0) = ḡ / b for a batch of either kind."""
-    from kdp.clipping import engine
-    from kdp.training.sampling import poisson_batch_shapes
-
-    model, x, y, w = _build("dense", clipping_norm=0.3)
-    shapes = poisson_batch_shapes(BATCH, N)
-    if rows == "capacity":
-        index = np.arange(shapes[-1]) % BATCH
-        x, y, w = x[index], y[index], w[index]
-    chunked = []
-    chunked_sum = engine._chunked_sum
-    monkeypatch.setattr(engine, "_chunked_sum", lambda *a, **k: chunked.append(a[-1]) or chunked_sum(*a, **k))
-    model(x)
-    with_data = _objective_gradient(model, x, y, w, any_batch_size=True)
-    noise_only = _objective_gradient(model, x, y, np.zeros_like(w), any_batch_size=True)
-    assert chunked == [shapes[-2]] * 2
-    expected = clipping.clipped_gradient_sum(model, x, y, w)
-    for v, g1, g0 in zip(model.trainable_variables, with_data, noise_only):
-        assert _rel_err(np.asarray(g1) - np.asarray(g0), np.asarray(expected[v.path]) / BATCH) < 1e-4
-
-
 @pytest.mark.parametrize("mode", ["flat", "per-layer"])
 def test_noise_std_is_sigma_c_over_b(mode):
     sigma, c = 1.3, 0.7
@@ -506,29 +479,42 @@ def test_the_mixing_probe_traces_the_model_once_per_shape_on_jax(monkeypatch):
     assert len(calls) == (4 if keras.backend.backend() == "jax" else 10)
 
 
-def test_a_batch_above_the_ladder_runs_as_virtual_batches(monkeypatch):
-    """A Poisson batch padded to the capacity (the ladder's last size) is summed in
-    virtual batches of the ladder's size below it, which caps the step's memory; the
-    gradient is unchanged: ∇objective(w) − ∇objective(0) = ḡ / b as for one pass."""
-    from kdp.clipping import engine
+def test_virtual_batch_rows_follow_the_ladder_and_physical_batch_size():
     from kdp.training.objective import virtual_batch_rows
     from kdp.training.sampling import poisson_batch_shapes
 
-    model, x, y, w = _build("dense", clipping_norm=0.3)
+    model = _build("dense", clipping_norm=0.3)[0]
     shapes = poisson_batch_shapes(BATCH, N)
     assert virtual_batch_rows(model, shapes[-1]) == shapes[-2]
     assert virtual_batch_rows(model, shapes[-2]) is None
     assert virtual_batch_rows(model, None) == shapes[-2]  # an unknown size (TensorFlow): at most that
     explicit = _build("dense", physical_batch_size=6)[0]        # physical_batch_size: chunks of 6 rows
     assert [virtual_batch_rows(explicit, rows) for rows in (None, 7, 6)] == [6, 6, None]
-    rows = np.arange(shapes[-1]) % BATCH
-    x, y, w = x[rows], y[rows], w[rows]
+
+
+@pytest.mark.parametrize("rows, any_batch_size", [("capacity", False), ("capacity", True), ("small", True)])
+def test_a_batch_above_the_ladder_runs_as_virtual_batches(rows, any_batch_size, monkeypatch):
+    """A Poisson batch padded to the capacity (the ladder's last size) is summed in
+    virtual batches of the ladder's size below it, which caps the step's memory; the
+    gradient is unchanged: ∇objective(w) − ∇objective(0) = ḡ / b as for one pass.
+    With the batch size unknown when traced (TensorFlow), every batch runs in passes
+    of at most that size (a smaller batch: one pass of its own rows)."""
+    if any_batch_size and keras.backend.backend() != "tensorflow":
+        pytest.skip("TensorFlow traces one step for every batch size; a JAX step knows its rows")
+    from kdp.clipping import engine
+    from kdp.training.sampling import poisson_batch_shapes
+
+    model, x, y, w = _build("dense", clipping_norm=0.3)
+    shapes = poisson_batch_shapes(BATCH, N)
+    if rows == "capacity":
+        index = np.arange(shapes[-1]) % BATCH
+        x, y, w = x[index], y[index], w[index]
     chunked = []
     chunked_sum = engine._chunked_sum
     monkeypatch.setattr(engine, "_chunked_sum", lambda *a, **k: chunked.append(a[-1]) or chunked_sum(*a, **k))
     model(x)
-    with_data = _objective_gradient(model, x, y, w)
-    noise_only = _objective_gradient(model, x, y, np.zeros_like(w))
+    with_data = _objective_gradient(model, x, y, w, any_batch_size)
+    noise_only = _objective_gradient(model, x, y, np.zeros_like(w), any_batch_size)
     assert chunked == [shapes[-2]] * 2
     expected = clipping.clipped_gradient_sum(model, x, y, w)
     for v, g1, g0 in zip(model.trainable_variables, with_data, noise_only):
