@@ -39,9 +39,11 @@ def add_cores_argument(parser):
 def use_cores(cores):
     """Run this process on the first ``cores`` CPUs it may use (``None``: all), before
     a backend is imported: XLA and TensorFlow size their thread pools by the CPUs a
-    process may use, so ``cores=1`` measures one thread."""
+    process may use, PyTorch by ``OMP_NUM_THREADS`` (set too), so ``cores=1``
+    measures one thread."""
     if cores:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
+        os.environ["OMP_NUM_THREADS"] = str(cores)
 
 
 def print_table(results, baseline):

@@ -135,10 +135,12 @@ def main():
     args = encoder_parser(__doc__.split("\n")[0], KINDS).parse_args()
     if args.child:
         use_cores(args.cores)
+        if args.cores:
+            torch.set_num_threads(args.cores)  # imported above, before OMP_NUM_THREADS was set
         return child(args.child, args)
     import opacus
 
-    print(f"torch {torch.__version__}, opacus {opacus.__version__}, {torch.get_num_threads()} threads; "
+    print(f"torch {torch.__version__}, opacus {opacus.__version__}, {args.cores or torch.get_num_threads()} threads; "
           f"BERT encoder: {args.layers} layers, width {args.width}, T={args.length}, b={args.batch}; "
           f"wall time of {args.steps} steps after {args.warmup} warm-up steps / steps, "
           f"median of {args.repeats} repeats; "
