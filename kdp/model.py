@@ -150,11 +150,7 @@ class DPModelMixin:
     # -- Keras overrides ------------------------------------------------------------------
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         checks.require_dp_config(self)
-        if self._compile_loss is not None and not self._compile_loss.built:
-            # Keras' loss object, unused here (`objective` computes the loss): unbuilt,
-            # every fit and evaluate would trace the model again to build it. Built
-            # in Keras' symbolic build, which calls this first.
-            self._compile_loss.build(y, y_pred)
+        stepping.build_compile_loss(self, y, y_pred)
         return objective.objective(self, x, y, y_pred, sample_weight, training, self._noise_seed)
 
     def compile(self, *args, **kwargs):

@@ -66,6 +66,15 @@ def compile_options(kwargs):
     return {**kwargs, "jit_compile": False}
 
 
+def build_compile_loss(model, y, y_pred):
+    """Build Keras' own loss object of ``model`` if it is not built. A DP model never
+    uses it (`kdp.training.objective` computes the loss), but left unbuilt it makes
+    every ``fit`` and ``evaluate`` trace the model again to build it (Keras'
+    symbolic build, which calls ``compute_loss`` first)."""
+    if model._compile_loss is not None and not model._compile_loss.built:
+        model._compile_loss.build(y, y_pred)
+
+
 def set_cotangent_scale(model):
     """Scale the cotangents `DP_ClipGradient` layers clip by ``1/b`` (the objective
     divides the summed loss by the expected batch size)."""
