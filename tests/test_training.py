@@ -272,6 +272,26 @@ def test_threaded_batch_preparation_draws_independent_poisson_batches():
     assert np.var(sizes) / (n * q * (1 - q)) == pytest.approx(1.0, abs=0.2)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's tf.data stream of batches")
+def test_tensorflow_batch_stream_serves_fresh_draws_of_every_size_without_autotuning():
+    """The stream `fit` gets on TensorFlow: batch axis unknown, every element a fresh
+    draw padded to one of the ladder's sizes, and tf.data's autotuning off (deleting
+    an autotuned iterator, as Keras does at the end of every fit, stalled it up to 1.3 s)."""
+    n, b = 200, 20
+    x = np.arange(1, n + 1, dtype="float32")[:, None]
+    batches = PoissonBatches(x, np.zeros(n), b, seed=3, shapes=3)
+    dataset = batches.as_tf_dataset()
+    assert dataset.element_spec[0].shape.as_list() == [None, 1]
+    assert dataset.options().autotune.enabled is False
+    sizes, drawn = set(), []
+    for bx, _, bw in dataset.take(40):
+        real = int(np.sum(bw > 0))
+        assert len(bx) == min(size for size in batches.shapes if size >= real)
+        sizes.add(len(bx))
+        drawn.append(tuple(np.asarray(bx)[:real, 0]))
+    assert len(sizes) >= 2 and len(set(drawn)) == len(drawn)  # fresh draws, several sizes
+
+
 def test_fit_trains_through_every_padded_size(monkeypatch):
     seen = []
     padded_size = PoissonBatches.padded_size
