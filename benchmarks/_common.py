@@ -25,13 +25,16 @@ def fit_step_time(model, x, y, batch_size, steps, warmup, repeats=1):
     timed ``fit`` compiles nothing. A plain Keras model (batches of ``batch_size``,
     reshuffled every epoch) stops at the end of ``x``: it runs whole epochs,
     at least ``steps`` steps in all; kdp's ``fit`` runs
-    ``steps`` Poisson steps in one epoch. The clock stops once the last
-    update's weights can be read. With ``repeats > 1`` the timed ``fit`` runs that
-    many times and the median of its times is returned: on a shared 2-core
-    machine one ``fit`` of the same compiled step took 130 or 260 ms a step
-    from one call to the next (TensorFlow, the convnet of
-    `bench_clipping_step.py`).
+    ``steps`` Poisson steps in one epoch. The clock stops at the end of
+    training (Keras' ``on_train_end``, a hook that leaves batch ends
+    asynchronous) once the last update's weights can be read: before ``fit``
+    deletes its data iterator, which on TensorFlow took 0.3–1.3 s in about one
+    ``fit`` in three when the pipeline was autotuned (Keras' own pipeline of
+    NumPy arrays; 2.21), a cost of ending a ``fit``, not of its steps. With
+    ``repeats > 1`` the timed ``fit`` runs that many times and the median of
+    its times is returned (the machine's own noise).
     """
+    end = _TrainEnd()
     if getattr(model, "dp_parameters", None) is None:
         per_epoch = len(x) // batch_size
         epochs = -(-steps // per_epoch)
@@ -39,7 +42,7 @@ def fit_step_time(model, x, y, batch_size, steps, warmup, repeats=1):
 
         def timed():
             model.fit(x, y, batch_size=batch_size, shuffle=True, epochs=epochs, steps_per_epoch=per_epoch,
-                      verbose=0)
+                      verbose=0, callbacks=[end])
             return epochs * per_epoch
     else:
         from kdp.pipeline import poisson_batch_shapes
@@ -50,15 +53,22 @@ def fit_step_time(model, x, y, batch_size, steps, warmup, repeats=1):
             model.train_on_batch(x[:size], y[:size], sample_weight=np.zeros(size, "float32"))
 
         def timed():
-            model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
+            model.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[end])
             return steps
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         done = timed()
-        keras.ops.convert_to_numpy(model.trainable_variables[-1])  # the last update has run
-        times.append((time.perf_counter() - start) / done)
+        times.append((end.time - start) / done)
     return statistics.median(times)
+
+
+class _TrainEnd(keras.callbacks.Callback):
+    """The time at which training ended and its last update's weights could be read."""
+
+    def on_train_end(self, logs=None):
+        keras.ops.convert_to_numpy(self.model.trainable_variables[-1])  # the last update has run
+        self.time = time.perf_counter()
 
 
 class StepTimer(keras.callbacks.Callback):

@@ -155,14 +155,24 @@ def test_padding_rows_contribute_nothing():
         np.testing.assert_allclose(np.asarray(again[p]), np.asarray(got[p]), rtol=1e-6, atol=1e-7)
 
 
-def test_virtual_batches_equal_one_batch():
-    """Chunks of 5 rows (16 = 5+5+5+1, the last padded) give one pass's clipped sum,
-    losses and outputs (collected in the form of Keras' predictions)."""
-    model, x, y, w = _build("conv2d", clipping_norm=0.5, physical_batch_size=5)
+@pytest.mark.parametrize("chunk, rows_per_pass", [(5, 4), (6, 6)])
+def test_virtual_batches_equal_one_batch(chunk, rows_per_pass, monkeypatch):
+    """Chunks of at most ``chunk`` rows, as few as hold the 16 rows and balanced
+    (at most 5: 4 passes of 4 rows, not 5+5+5+1; at most 6: 3 passes of 6, the
+    last padded) give one pass's clipped sum, losses and outputs (collected in
+    the form of Keras' predictions)."""
+    from kdp.clipping import engine
+
+    model, x, y, w = _build("conv2d", clipping_norm=0.5)
     whole, losses, outputs = clipping.clipped_gradient_sum(model, x, y, w, with_losses=True,
                                                            with_outputs=True)
+    rows = set()
+    pass_sum = engine.clipped_gradient_sum
+    monkeypatch.setattr(engine, "clipped_gradient_sum",
+                        lambda m, xs, *a, **k: rows.add(int(xs.shape[0])) or pass_sum(m, xs, *a, **k))
     tensors = [keras.ops.convert_to_tensor(a) for a in (x, y, w)]
-    chunked, chunk_losses, chunk_outputs = _chunked_sum(model, *tensors, 5, like=model(x))
+    chunked, chunk_losses, chunk_outputs = _chunked_sum(model, *tensors, chunk, like=model(x))
+    assert rows == {rows_per_pass}
     for p in whole:
         assert _rel_err(chunked[p], whole[p]) < 1e-5
     assert _rel_err(chunk_losses, losses) < 1e-5 and chunk_losses.shape == (len(y),)
@@ -495,7 +505,7 @@ def test_virtual_batch_rows_follow_the_ladder_and_physical_batch_size():
 @pytest.mark.parametrize("rows, any_batch_size", [("capacity", False), ("capacity", True), ("small", True)])
 def test_a_batch_above_the_ladder_runs_as_virtual_batches(rows, any_batch_size, monkeypatch):
     """A Poisson batch padded to the capacity (the ladder's last size) is summed in
-    virtual batches of the ladder's size below it, which caps the step's memory; the
+    virtual batches of at most the ladder's size below it, which caps the step's memory; the
     gradient is unchanged: ∇objective(w) − ∇objective(0) = ḡ / b as for one pass.
     With the batch size unknown when traced (TensorFlow), every batch runs in passes
     of at most that size (a smaller batch: one pass of its own rows)."""

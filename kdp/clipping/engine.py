@@ -106,11 +106,12 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
 
 
 def _chunked_sum(model, x, y, weights, chunk, like=None):
-    """`clipped_gradient_sum` over virtual batches of at most ``chunk`` rows: passes of
-    ``min(rows, chunk)`` rows in a loop, the last padded with zero-weight rows. The
-    number of rows may be known only when the step runs (TensorFlow traces one step
-    for every batch size): a batch that fits in ``chunk`` rows is then one pass of
-    its own rows. Whether a batch needs virtual batches is
+    """`clipped_gradient_sum` over virtual batches of at most ``chunk`` rows: the
+    fewest passes that hold the batch, ``p = ⌈rows/chunk⌉``, of ``⌈rows/p⌉`` rows each
+    in a loop, the last padded with zero-weight rows (fewer than ``p``). The number
+    of rows may be known only when the step runs (TensorFlow traces one step for
+    every batch size): a batch that fits in ``chunk`` rows is then one pass of its
+    own rows. Whether a batch needs virtual batches is
     `kdp.training.objective.virtual_batch_rows`' call.
 
     Args:
@@ -126,8 +127,8 @@ def _chunked_sum(model, x, y, weights, chunk, like=None):
     if model.dp_parameters.augmentation_multiplicity > 1:
         like = None
     n_rows = ops.shape(y)[0]
-    chunk = min(n_rows, chunk) if isinstance(n_rows, int) else ops.minimum(n_rows, chunk)
     steps = (n_rows + chunk - 1) // chunk
+    chunk = (n_rows + steps - 1) // steps  # balanced: the padding is below one row per pass
     padded = steps * chunk
     x = keras.tree.map_structure(lambda t: _pad_rows(t, padded - n_rows), x)
     y = _pad_rows(y, padded - n_rows)

@@ -40,9 +40,10 @@ class DPParameters:
         clipping: ``"flat"`` (one norm per example) or ``"per-layer"`` (a float
             ``C`` is split equally, ``C_l = C/√L``).
         physical_batch_size: with clipping, compute the clipped sum over chunks
-            of this many rows (virtual batches: one logical, accounted step).
-            ``None``: only a batch padded above the padding ladder's size below
-            its capacity runs in chunks of that size (`kdp.training.objective.virtual_batch_rows`).
+            of at most this many rows, as few as hold the batch (virtual batches:
+            one logical, accounted step). ``None``: only a batch padded above
+            the padding ladder's size below its capacity runs in chunks of at
+            most that size (`kdp.training.objective.virtual_batch_rows`).
         epsilon_max: a privacy budget enforced over **every** `fit` of the model
             (it is saved with the model): `fit` stops before the step that would
             exceed it, and refuses to start on a model whose ledger already does.
