@@ -14,6 +14,10 @@ on token ids alone (no segments, no padding), its pooled output into a
   feed-forward and pooler, ``LayerNormalization``, the segment ``Embedding``,
   the token ``ReversibleEmbedding`` and the ``PositionEmbedding``), so no
   variable needs per-example gradients;
+* ``passes``: as ``clipping`` with every Poisson batch padded to one size (the
+  capacity, ``batch_shapes=1``) and its clipped sum run in passes of at most
+  ``--pass-rows`` rows (``physical_batch_size``), only over the passes that hold
+  drawn rows: one compiled step, and the padding at most a pass;
 * ``vmap``: as ``clipping`` with the registry emptied: every variable gets
   per-example gradients (the engine's fallback), for comparison.
 
@@ -26,7 +30,7 @@ print the buffers XLA assigns to each compiled shape of the step (`_runs.xla_ste
 the step's own memory, without compilation and the runtime, which peak RSS counts.
 
     KERAS_BACKEND=jax python benchmarks/bench_transformer.py [--batch 32] [--length 64] [--width 128]
-        [--steps 10] [--dropout 0.1] [--buffers] [--cores 1]
+        [--steps 10] [--dropout 0.1] [--buffers] [--cores 1] [--kinds keras clipping passes] [--pass-rows 8]
 """
 
 import json
@@ -34,7 +38,7 @@ import os
 
 from _runs import encoder_parser, print_buffers, print_table, run_children, use_cores, xla_step_buffers
 
-KINDS = ("keras", "clipping", "vmap")
+KINDS = ("keras", "clipping", "passes", "vmap")
 VOCABULARY = 1000
 
 
@@ -58,8 +62,9 @@ def build(kind, n, args):
             from kdp.clipping.kinds import KINDS as REGISTRY
 
             REGISTRY.clear()
+        passes = {"batch_shapes": 1, "physical_batch_size": args.pass_rows} if kind == "passes" else {}
         model = kdp.DP_Model(ids, logits, dp_parameters=kdp.DPParameters(noise_multiplier=1.0, delta=1e-5,
-                                                                          clipping_norm=1.0),
+                                                                          clipping_norm=1.0, **passes),
                              dataset_metadata=kdp.DatasetMetadata((args.length,), 2, n, args.batch))
     model.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -88,6 +93,8 @@ def main():
     parser = encoder_parser(__doc__.split("\n")[0], KINDS)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the encoder's dropout rate: random layers draw per-example values")
+    parser.add_argument("--pass-rows", "--pass_rows", type=int, default=8,
+                        help="the rows of one per-example pass of the passes kind")
     parser.add_argument("--buffers", action="store_true",
                         help="JAX: also the buffer memory XLA assigns to each compiled step shape")
     args = parser.parse_args()
@@ -100,7 +107,7 @@ def main():
           f"T={args.length}, b={args.batch}, dropout {args.dropout}; wall time of one fit / its steps "
           f"({args.steps} steps after {args.warmup} warm-up steps), median of {args.repeats} fits; "
           f"memory = peak RSS - RSS after imports" + (f"; on {args.cores} CPU(s)" if args.cores else ""))
-    names = ("batch", "length", "width", "layers", "steps", "warmup", "repeats", "dropout")
+    names = ("batch", "length", "width", "layers", "steps", "warmup", "repeats", "dropout", "pass_rows")
     print_table(run_children(os.path.abspath(__file__), args, names), "keras")
     if keras.backend.backend() == "jax" and args.buffers:
         print_buffers(xla_step_buffers(os.path.abspath(__file__), args, names), "keras", args.batch)

@@ -155,15 +155,18 @@ def test_padding_rows_contribute_nothing():
         np.testing.assert_allclose(np.asarray(again[p]), np.asarray(got[p]), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("chunk, rows_per_pass", [(5, 4), (6, 6)])
-def test_virtual_batches_equal_one_batch(chunk, rows_per_pass, monkeypatch):
+@pytest.mark.parametrize("chunk, rows_per_pass, computed", [(5, 4, 16), (6, 6, 16), (3, 3, 15)])
+def test_virtual_batches_equal_one_batch(chunk, rows_per_pass, computed, monkeypatch):
     """Chunks of at most ``chunk`` rows, as few as hold the 16 rows and balanced
     (at most 5: 4 passes of 4 rows, not 5+5+5+1; at most 6: 3 passes of 6, the
     last padded) give one pass's clipped sum, losses and outputs (collected in
-    the form of Keras' predictions)."""
+    the form of Keras' predictions). The rows of weight 0 are the last 3: at most
+    3 rows a pass, the sixth pass (row 15 and padding) holds none of positive
+    weight and is skipped, its row's loss and outputs left 0."""
     from kdp.clipping import engine
 
     model, x, y, w = _build("conv2d", clipping_norm=0.5)
+    assert w[-3:].tolist() == [0, 0, 0] and np.all(w[:-3] > 0)
     whole, losses, outputs = clipping.clipped_gradient_sum(model, x, y, w, with_losses=True,
                                                            with_outputs=True)
     rows = set()
@@ -175,8 +178,12 @@ def test_virtual_batches_equal_one_batch(chunk, rows_per_pass, monkeypatch):
     assert rows == {rows_per_pass}
     for p in whole:
         assert _rel_err(chunked[p], whole[p]) < 1e-5
-    assert _rel_err(chunk_losses, losses) < 1e-5 and chunk_losses.shape == (len(y),)
-    assert _rel_err(chunk_outputs, outputs) < 1e-5 and chunk_outputs.shape == outputs.shape
+    chunk_losses, chunk_outputs = np.asarray(chunk_losses), np.asarray(chunk_outputs)
+    assert chunk_losses.shape == (len(y),) and chunk_outputs.shape == outputs.shape
+    assert _rel_err(chunk_losses[:computed], np.asarray(losses)[:computed]) < 1e-5
+    assert _rel_err(chunk_outputs[:computed], np.asarray(outputs)[:computed]) < 1e-5
+    assert np.all(chunk_losses[computed:] == 0) and np.all(chunk_outputs[computed:] == 0)
+    assert computed == len(y) or np.any(np.asarray(outputs)[computed:] != 0)  # skipped, not computed as 0
 
 
 def _objective_gradient(model, x, y, w, any_batch_size=False):
@@ -297,14 +304,16 @@ def test_fit_trains_and_accounts_like_dp_accounting():
         steps)).get_epsilon(delta)) > 0.01
 
 
-def test_fit_with_virtual_batches_is_one_step_per_poisson_batch():
+@pytest.mark.parametrize("batch_shapes", [3, 1])
+def test_fit_with_virtual_batches_is_one_step_per_poisson_batch(batch_shapes):
+    """Also with one padded size (the capacity), whose passes of padding are skipped."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, 10)).astype("float32")
     y = rng.integers(0, 3, N).astype("int32")
     model = DP_Sequential(
         [keras.Input((10,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)],
         dp_parameters=DPParameters(noise_multiplier=1.0, delta=1e-3, clipping_norm=1.0,
-                                   physical_batch_size=16),  # padded Poisson batch of 48 rows: 3 chunks
+                                   physical_batch_size=16, batch_shapes=batch_shapes),
         dataset_metadata=DatasetMetadata((10,), 3, N, BATCH),
     )
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)

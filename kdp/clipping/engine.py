@@ -108,10 +108,12 @@ def clipped_gradient_sum(model, x, y, weights=None, ghost=True, first_row=0, wit
 def _chunked_sum(model, x, y, weights, chunk, like=None):
     """`clipped_gradient_sum` over virtual batches of at most ``chunk`` rows: the
     fewest passes that hold the batch, ``p = ⌈rows/chunk⌉``, of ``⌈rows/p⌉`` rows each
-    in a loop, the last padded with zero-weight rows (fewer than ``p``). The number
-    of rows may be known only when the step runs (TensorFlow traces one step for
-    every batch size): a batch that fits in ``chunk`` rows is then one pass of its
-    own rows. Whether a batch needs virtual batches is
+    in a loop, the last padded with zero-weight rows (fewer than ``p``). Passes after
+    the last row of positive weight are skipped (a Poisson batch's drawn rows come
+    first, its padding last), so a batch padded to a large static size costs its
+    drawn rows rounded up to a pass. The number of rows may be known only when the
+    step runs (TensorFlow traces one step for every batch size): a batch that fits
+    in ``chunk`` rows is then one pass of its own rows. Whether a batch needs virtual batches is
     `kdp.training.objective.virtual_batch_rows`' call.
 
     Args:
@@ -121,8 +123,9 @@ def _chunked_sum(model, x, y, weights, chunk, like=None):
             in the same form, or ``None``.
 
     Returns:
-        ``(sums, losses, outputs)``: as `clipped_gradient_sum`'s, the outputs ``None``
-        without ``like`` or with several augmented views.
+        ``(sums, losses, outputs)``: as `clipped_gradient_sum`'s (the losses and
+        outputs of skipped rows 0), the outputs ``None`` without ``like`` or with
+        several augmented views.
     """
     if model.dp_parameters.augmentation_multiplicity > 1:
         like = None
@@ -153,7 +156,10 @@ def _chunked_sum(model, x, y, weights, chunk, like=None):
         return [[a + part[p] for a, p in zip(sums, paths)], ops.scatter_update(losses, rows, values),
                 *outputs]
 
-    sums, losses, *outputs = autodiff.sequential_loop(0, steps, body, init)
+    # Only the passes up to the last row of positive weight run: the rest hold
+    # padding (or rows of weight 0), whose clipped gradient, loss and weight are 0.
+    weighted = ops.max(ops.where(weights > 0, ops.arange(1, padded + 1, dtype="int32"), 0))
+    sums, losses, *outputs = autodiff.sequential_loop(0, (weighted + chunk - 1) // chunk, body, init)
     outputs = keras.tree.map_structure(lambda t: _rows(t, 0, n_rows), outputs[0]) if outputs else None
     return dict(zip(paths, sums)), _rows(losses, 0, n_rows), outputs
 

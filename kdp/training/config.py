@@ -41,9 +41,14 @@ class DPParameters:
             ``C`` is split equally, ``C_l = C/√L``).
         physical_batch_size: with clipping, compute the clipped sum over chunks
             of at most this many rows, as few as hold the batch (virtual batches:
-            one logical, accounted step). ``None``: only a batch padded above
-            the padding ladder's size below its capacity runs in chunks of at
-            most that size (`kdp.training.objective.virtual_batch_rows`).
+            one logical, accounted step); the chunks after the batch's last row of
+            positive weight (its padding) are skipped. With ``batch_shapes=1``,
+            one compiled step whose padding costs less than a chunk (on JAX,
+            ``physical_batch_size=8`` took 1.15× plain Keras' step and 1.41× its
+            peak memory on the BERT encoder of ``benchmarks/bench_transformer.py``,
+            against 1.60× and 1.91× by default; 2-core CPU). ``None``: only a
+            batch padded above the padding ladder's size below its capacity runs
+            in chunks of at most that size (`kdp.training.objective.virtual_batch_rows`).
         epsilon_max: a privacy budget enforced over **every** `fit` of the model
             (it is saved with the model): `fit` stops before the step that would
             exceed it, and refuses to start on a model whose ledger already does.
