@@ -158,11 +158,12 @@ def test_padding_rows_contribute_nothing():
 @pytest.mark.parametrize("chunk, rows_per_pass, computed", [(5, 4, 16), (6, 6, 16), (3, 3, 15)])
 def test_virtual_batches_equal_one_batch(chunk, rows_per_pass, computed, monkeypatch):
     """Chunks of at most ``chunk`` rows, as few as hold the 16 rows and balanced
-    (at most 5: 4 passes of 4 rows, not 5+5+5+1; at most 6: 3 passes of 6, the
-    last padded) give one pass's clipped sum, losses and outputs (collected in
-    the form of Keras' predictions). The rows of weight 0 are the last 3: at most
-    3 rows a pass, the sixth pass (row 15 and padding) holds none of positive
-    weight and is skipped, its row's loss and outputs left 0."""
+    (at most 5: 4 chunks of 4 rows, not 5+5+5+1; at most 6: 3 chunks of 6, the
+    last padded) give the clipped sum, losses and outputs of the whole batch at
+    once (outputs collected in the form of Keras' predictions). The rows of
+    weight 0 are the last 3: with chunks of 3 rows, the sixth chunk (row 15 and
+    padding) holds no row of positive weight and is skipped, its row's loss and
+    outputs left 0."""
     from kdp.clipping import engine
 
     model, x, y, w = _build("conv2d", clipping_norm=0.5)
