@@ -14,10 +14,14 @@ measured, through the real `fit` path (Poisson batches, Keras' compiled
   step moves each variable by minus the noise of the reduced gradient. Its std
   is compared with the single-device calibration, written out by hand
   (``σ c_v Δ_v / b``, as in tests/test_training.py);
-* exactness: from the same weights and seeds, 6 `train_on_batch` steps on the
-  same Poisson batches (global rate, padded to a multiple of 4) on one device
-  and on 4 replicas give the same weights (one noise draw, gradients reduced to
-  the global sum); after 4 more `fit` steps the replicas hold identical weights;
+* exactness: 6 `train_on_batch` steps on the same Poisson batches (global
+  rate, padded to a multiple of 4), each taken on 4 replicas from the weights
+  the one-device run had before it, with the same seeds, give the one-device
+  step's weights (one noise draw, gradients reduced to the global sum); after 4
+  more `fit` steps the replicas hold identical weights. Step by step, not along
+  two trajectories: summing a gradient over 4 replicas rounds differently
+  (about 1e-7), and a `GroupSort` pair closer than that changes order, which
+  moves one example's gradient by O(1);
 * ε and sampling: the ledgers of the 1- and 4-device `fit` runs give the same
   ε, equal to `compute_epsilon` at the global rate with σ_eff written by hand;
   the Poisson batches `fit` drew have the global rate, a size divisible by 4
@@ -173,29 +177,37 @@ def _worker():
                 "stds": list(model.noise_stds().values()), "epsilon": eps, "sampling": sampling(),
                 "replicas": replicas}
 
-    def train(make, distributed, initial, keras_train_on_batch=False, **kwargs):
+    def train(make, distributed, initial, starts=None, keras_train_on_batch=False, **kwargs):
         """EXACT_STEPS `train_on_batch` steps (weights 1, projections on) from `initial`
-        weights on the same Poisson batches, then 4 `fit` steps (replicas checked after)."""
+        weights on the same Poisson batches, step ``t`` from the trainable weights
+        ``starts[t]`` if given, then 4 `fit` steps (replicas checked after). Returns
+        the trainable weights before and after each step."""
         batches = PoissonBatches(x, y, BATCH, seed=21, multiple_of=R)
+        before, after = [], []
         with scope(distributed):
             model = make(**kwargs)
             model.set_weights(initial)
             for t in range(EXACT_STEPS):
+                if starts is not None:
+                    for v, w in zip(model.trainable_variables, starts[t]):
+                        v.assign(w)
+                before.append([np.array(v) for v in model.trainable_variables])
                 bx, by, bw = batches[t]
                 step = keras.Model.train_on_batch if keras_train_on_batch else type(model).train_on_batch
                 step(model, bx, by, sample_weight=bw)
-            weights = [np.array(v) for v in model.trainable_variables]
+                after.append([np.array(v) for v in model.trainable_variables])
             model.fit(x, y, epochs=1, steps_per_epoch=4, verbose=0)
         copies = [kdp.distribute.replica_values(v) for v in model.variables]  # seed state included
         return {
-            "weights": weights,
+            "before": before, "after": after,
             "replicas": len(copies[0]),
             "replicas_identical": all(np.array_equal(c[0], other) for c in copies for other in c[1:]),
         }
 
-    def compare(a, b):
+    def compare(a, b, key="after"):
+        """The largest relative difference of a variable, over the steps."""
         return max(float(np.max(np.abs(u - v)) / (np.max(np.abs(u)) + 1e-12))
-                   for u, v in zip(a["weights"], b["weights"]))
+                   for step_a, step_b in zip(a["after"], b[key]) for u, v in zip(step_a, step_b))
 
     out = {"backend": backend}
     # noise: independent seeds for the two runs
@@ -205,32 +217,33 @@ def _worker():
     out["control_per_replica_rate"] = noise_rms(lipschitz_model, True, CONTROL_STEPS, seed=13,
                                                 batch=BATCH // R)
     # negative control: noise at full std on every replica (TensorFlow: no replica-0 share)
+    initial = lipschitz_model(5).get_weights()
+    single = train(lipschitz_model, False, initial, seed=5, lr=0.05)
     share = kdp.distribute.noise_share
     kdp.distribute.noise_share = lambda: 1.0
     try:
         out["control_full_noise_every_replica"] = noise_rms(lipschitz_model, True, CONTROL_STEPS, seed=14)
-        initial = lipschitz_model(5).get_weights()
-        wrong = train(lipschitz_model, True, initial, seed=5, lr=0.05)
+        wrong = train(lipschitz_model, True, initial, single["before"], seed=5, lr=0.05)
     finally:
         kdp.distribute.noise_share = share
 
-    single = train(lipschitz_model, False, initial, seed=5, lr=0.05)
-    dp = train(lipschitz_model, True, initial, seed=5, lr=0.05)
+    dp = train(lipschitz_model, True, initial, single["before"], seed=5, lr=0.05)
     out["exact"] = {
         "single_replicas": single["replicas"], "dp_replicas": dp["replicas"],
         "replicas_identical": dp["replicas_identical"],
         "max_rel_diff": compare(single, dp), "max_rel_diff_full_noise": compare(single, wrong),
-        "moved": compare(single, {"weights": initial}),
+        "moved": compare(single, single, key="before"),
     }
     if backend == "tensorflow":  # negative control: Keras' own train_on_batch, whole batch per replica
-        plain = train(lipschitz_model, True, initial, keras_train_on_batch=True, seed=5, lr=0.05)
+        plain = train(lipschitz_model, True, initial, single["before"], keras_train_on_batch=True,
+                      seed=5, lr=0.05)
         out["exact"]["max_rel_diff_whole_batch_per_replica"] = compare(single, plain)
     # per-example clipping path
     initial = clipping_model(6).get_weights()
     single = train(clipping_model, False, initial, seed=6, lr=0.05)
-    dp = train(clipping_model, True, initial, seed=6, lr=0.05)
+    dp = train(clipping_model, True, initial, single["before"], seed=6, lr=0.05)
     out["clipping_exact"] = {"replicas_identical": dp["replicas_identical"], "dp_replicas": dp["replicas"],
-                             "max_rel_diff": compare(single, dp), "moved": compare(single, {"weights": initial})}
+                             "max_rel_diff": compare(single, dp), "moved": compare(single, single, key="before")}
     out["clipping_noise_dp"] = noise_rms(clipping_model, True, 40, seed=15)
     # the default, unpredictable noise seed (re-drawn from the OS by `fit`) stays in sync
     with scope(True):
