@@ -13,7 +13,11 @@ each trained three ways:
 * (c) ``clipping``: kdp per-example clipping DP-SGD (`DPParameters(clipping_norm=1)`) on the
   model of (a), Poisson batches: the Dense and Conv2D layers are of registered
   kinds (`kdp.clipping.kinds`), whose per-example norms come from their inputs
-  and output cotangents, with no per-example gradient of a whole model.
+  and output cotangents, with no per-example gradient of a whole model;
+* (d) ``passes``: as (c) with every Poisson batch padded to one size (the
+  capacity, ``batch_shapes=1``) and its clipped sum run in passes of at most
+  ``--pass-rows`` rows (``physical_batch_size``), only over the passes that hold
+  drawn rows: one compiled step.
 
 Each configuration runs in its own subprocess, so its peak memory is that
 process's peak RSS (`_common.peak_rss_mb`, which sees XLA/TensorFlow's
@@ -34,6 +38,7 @@ rows than (a). The ratios are measured in the same run; ``--json PATH`` also
 writes the numbers.
 
     KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py [--models mlp cnn] [--batches 256 1024 4096] [--steps 20] [--cores 1]
+        [--kinds keras clipless clipping passes] [--pass-rows 32]
     KERAS_BACKEND=jax python benchmarks/bench_clipping_step.py --digits   # accuracy at ε = 1, 3, 8
 """
 
@@ -46,10 +51,10 @@ import sys
 from _runs import add_cores_argument, use_cores
 
 BATCHES = (256, 1024, 4096)
-KINDS = ("keras", "clipless", "clipping")
+KINDS = ("keras", "clipless", "clipping", "passes")
 
 
-def build(model_name, kind, n, batch):
+def build(model_name, kind, n, batch, pass_rows=32):
     import keras
 
     import kdp
@@ -86,14 +91,15 @@ def build(model_name, kind, n, batch):
     if kind == "keras":
         model = keras.Sequential(stack)
     else:
+        passes = {"batch_shapes": 1, "physical_batch_size": pass_rows} if kind == "passes" else {}
         model = kdp.DP_Sequential(stack, dp_parameters=kdp.DPParameters(noise_multiplier=1.0, delta=1e-5,
-                                                                         clipping_norm=1.0),
+                                                                         clipping_norm=1.0, **passes),
                                   dataset_metadata=kdp.DatasetMetadata(shape, 10, n, batch))
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss=scce)
     return model, shape
 
 
-def child(model_name, kind, batch, steps, warmup, repeats):
+def child(model_name, kind, batch, steps, warmup, repeats, pass_rows):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import numpy as np
     from _common import fit_step_time, peak_rss_mb
@@ -102,7 +108,7 @@ def child(model_name, kind, batch, steps, warmup, repeats):
 
     base = peak_rss_mb()
     n = max(4 * batch, 8192)
-    model, shape = build(model_name, kind, n, batch)
+    model, shape = build(model_name, kind, n, batch, pass_rows)
     rng = np.random.default_rng(0)
     x = rng.random((n,) + shape, dtype="float32")
     y = rng.integers(0, 10, n).astype("int32")
@@ -117,16 +123,17 @@ def speed(args):
     cores = f" on {args.cores} CPU(s)" if args.cores else ""
     print(f"backend={keras.backend.backend()} {device}{cores}  wall time of one fit / its steps (kdp {args.steps} "
           f"steps after {args.warmup} warm-up steps, median of {args.repeats} fits); memory = peak RSS - RSS after imports")
-    print(f"{'model':>5} {'batch':>6} | {'keras ms':>9} {'clipless ms':>11} {'clipping ms':>11} | "
-          f"{'(b)/(a)':>7} {'(c)/(a)':>7} {'(c)/(b)':>7} | {'MB a':>6} {'MB b':>6} {'MB c':>6}")
+    kinds = ["keras"] + [k for k in args.kinds if k != "keras"]
+    print(f"{'model':>5} {'batch':>6} | " + " ".join(f"{k + ' ms':>11}" for k in kinds) + " | "
+          + " ".join(f"{k + '/keras':>15}" for k in kinds[1:]) + " | " + " ".join(f"{'MB ' + k:>11}" for k in kinds))
     rows = []
     for model_name in args.models:
         for batch in args.batches:
             res = {}
-            for kind in KINDS:
+            for kind in kinds:
                 cmd = [sys.executable, __file__, "--child", model_name, kind, str(batch),
                        "--steps", str(args.steps), "--warmup", str(args.warmup),
-                       "--repeats", str(args.repeats)]
+                       "--repeats", str(args.repeats), "--pass-rows", str(args.pass_rows)]
                 try:
                     out = subprocess.run(cmd + ([f"--cores={args.cores}"] if args.cores else []),
                                          capture_output=True, text=True, timeout=args.timeout)
@@ -141,10 +148,9 @@ def speed(args):
                     res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
             t = {k: (r["time"] * 1e3 if r else float("nan")) for k, r in res.items()}
             m = {k: (r["peak_mb"] if r else float("nan")) for k, r in res.items()}
-            print(f"{model_name:>5} {batch:6d} | {t['keras']:9.1f} {t['clipless']:11.1f} {t['clipping']:11.1f} | "
-                  f"{t['clipless'] / t['keras']:7.2f} {t['clipping'] / t['keras']:7.2f} "
-                  f"{t['clipping'] / t['clipless']:7.2f} | {m['keras']:6.0f} {m['clipless']:6.0f} {m['clipping']:6.0f}",
-                  flush=True)
+            print(f"{model_name:>5} {batch:6d} | " + " ".join(f"{t[k]:11.1f}" for k in kinds) + " | "
+                  + " ".join(f"{t[k] / t['keras']:7.2f}, {m[k] / m['keras']:5.2f}x" for k in kinds[1:]) + " | "
+                  + " ".join(f"{m[k]:11.0f}" for k in kinds), flush=True)
             rows.append({"model": model_name, "batch": batch, **res})
     if args.json:
         with open(args.json, "w") as f:
@@ -202,6 +208,9 @@ def main():
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", help="also write the timing results to this file")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["keras", "clipless", "clipping"])
+    parser.add_argument("--pass-rows", "--pass_rows", type=int, default=32,
+                        help="the rows of one per-example pass of the passes kind")
     parser.add_argument("--child", nargs=3)
     add_cores_argument(parser)
     parser.add_argument("--digits", action="store_true")
@@ -213,7 +222,8 @@ def main():
     args = parser.parse_args()
     if args.child:
         use_cores(args.cores)
-        child(args.child[0], args.child[1], int(args.child[2]), args.steps, args.warmup, args.repeats)
+        child(args.child[0], args.child[1], int(args.child[2]), args.steps, args.warmup, args.repeats,
+              args.pass_rows)
     elif args.digits:
         digits(args)
     else:

@@ -305,22 +305,41 @@ def test_fit_trains_and_accounts_like_dp_accounting():
         steps)).get_epsilon(delta)) > 0.01
 
 
-@pytest.mark.parametrize("batch_shapes", [3, 1])
-def test_fit_with_virtual_batches_is_one_step_per_poisson_batch(batch_shapes):
-    """Also with one padded size (the capacity), whose passes of padding are skipped."""
+@pytest.mark.parametrize("batch_shapes", [None, 3, 1])
+def test_fit_with_virtual_batches_is_one_step_per_poisson_batch(batch_shapes, monkeypatch):
+    """Also with one padded size (the capacity), whose passes of padding are skipped:
+    the default with virtual batches (``batch_shapes=None``); 3 gives the ladder."""
+    from kdp.training import sampling
+
+    sizes = []  # the rows of every Poisson batch `fit` draws
+
+    class Recording(sampling.PoissonBatches):
+        def __getitem__(self, index):
+            batch = super().__getitem__(index)
+            sizes.append(len(batch[2]))
+            return batch
+
+    monkeypatch.setattr(sampling, "PoissonBatches", Recording)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, 10)).astype("float32")
     y = rng.integers(0, 3, N).astype("int32")
+    params = DPParameters(noise_multiplier=1.0, delta=1e-3, clipping_norm=1.0, physical_batch_size=6,
+                          batch_shapes=batch_shapes)
     model = DP_Sequential(
         [keras.Input((10,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)],
-        dp_parameters=DPParameters(noise_multiplier=1.0, delta=1e-3, clipping_norm=1.0,
-                                   physical_batch_size=16, batch_shapes=batch_shapes),
-        dataset_metadata=DatasetMetadata((10,), 3, N, BATCH),
+        dp_parameters=params, dataset_metadata=DatasetMetadata((10,), 3, N, BATCH),
     )
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
-    model.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)
-    assert model.privacy_ledger.training_steps() == 3
+    model.fit(x, y, epochs=1, steps_per_epoch=4, verbose=0)
+    assert model.privacy_ledger.training_steps() == 4
     assert all(np.all(np.isfinite(np.array(v))) for v in model.trainable_variables)
+    ladder = sampling.poisson_batch_shapes(BATCH, N, 3)
+    assert len(sizes) >= 4
+    if batch_shapes == 3:  # the control: below the capacity, a draw of b ± 2s rows is padded less
+        assert set(sizes) <= set(ladder) and min(sizes) < ladder[-1]
+    else:
+        assert set(sizes) == {ladder[-1]}
+    assert params.batch_shapes == (3 if batch_shapes == 3 else 1)
 
 
 def _dp_sequential(layers, **params):

@@ -51,9 +51,10 @@ attribute, rather than a Keras variable, would). Inside that pass:
 * Norms of both are summed per example (``"flat"``) or per layer
   (``"per-layer"``: layer ``l`` clipped at ``C_l``, ``Σ_l C_l² = C²``).
 
-Memory: ``physical_batch_size=k`` computes ḡ over chunks of ``k`` rows of the
-(padded) Poisson batch in a loop inside the step ("virtual batches"): one
-logical step, one noise draw, one optimizer update, one accounted step. Without
+Memory: ``physical_batch_size=k`` computes ḡ over chunks of at most ``k`` rows
+of the Poisson batch, padded to one size, in a loop inside the step ("virtual
+batches") that skips the chunks of padding: one logical step, one noise draw,
+one optimizer update, one accounted step. Without
 it, a batch padded above the ladder's size below the capacity runs in virtual
 batches of that size (`kdp.training.objective.virtual_batch_rows`; on TensorFlow,
 whose step is traced for every batch size, the passes take ``min(rows, size)``

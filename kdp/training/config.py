@@ -42,21 +42,27 @@ class DPParameters:
         physical_batch_size: with clipping, compute the clipped sum over chunks
             of at most this many rows, as few as hold the batch (virtual batches:
             one logical, accounted step); the chunks after the batch's last row of
-            positive weight (its padding) are skipped. With ``batch_shapes=1``,
-            one compiled step whose padding costs less than a chunk (on JAX,
-            ``physical_batch_size=8`` took 1.15× plain Keras' step and 1.41× its
-            peak memory on the BERT encoder of ``benchmarks/bench_transformer.py``,
-            against 1.60× and 1.91× by default; 2-core CPU). ``None``: only a
-            batch padded above the padding ladder's size below its capacity runs
-            in chunks of at most that size (`kdp.training.objective.virtual_batch_rows`).
+            positive weight (its padding) are skipped, so every batch is padded to
+            one size (``batch_shapes``), one compiled step whose padding costs
+            less than a chunk. On JAX on a CPU, ``physical_batch_size=8`` took
+            1.15× plain Keras' step and 1.41× its peak memory on the BERT
+            encoder of ``benchmarks/bench_transformer.py`` (against 1.60× and
+            1.91× without it), 0.60× and 0.65× on the convnet of
+            ``benchmarks/bench_clipping_step.py`` (1.09× and 1.36×), but 2.4-2.7×
+            the time on an MLP, whose chunks of 8 rows are too small to compute
+            efficiently (1.3-1.8×). ``None``: only a batch padded above the
+            padding ladder's size below its capacity runs in chunks of at most
+            that size (`kdp.training.objective.virtual_batch_rows`).
         epsilon_max: a privacy budget enforced over **every** `fit` of the model
             (it is saved with the model): `fit` stops before the step that would
             exceed it, and refuses to start on a model whose ledger already does.
         batch_shapes: how many static sizes Poisson batches are padded to
-            (`kdp.training.sampling.poisson_batch_shapes`): 3 (default) pads by about 3 %
+            (`kdp.training.sampling.poisson_batch_shapes`): 3 pads by about 3 %
             of the rows at b = 1024 for up to three compilations of the step; 1
             pads every batch to the capacity ``b + 6√b + 8`` (one compilation,
-            +19 % rows at b = 1024). Speed only: the guarantee is the same.
+            +19 % rows at b = 1024, which virtual batches skip). ``None``
+            (default): 1 with ``physical_batch_size``, else 3. Speed only: the
+            guarantee is the same.
         augmentation_multiplicity: with clipping, ``K``: each example's gradient
             is the mean of the gradients of ``K`` copies of it run through the
             model together in training mode, so that the model's random
@@ -69,7 +75,7 @@ class DPParameters:
     def __init__(self, noisify_strategy="per-layer", noise_multiplier=None, delta=1e-5,
                  sampling="poisson", reproducible=False, seed=None, allow_large_delta=False,
                  clipping_norm=None, clipping="flat", physical_batch_size=None, epsilon_max=None,
-                 batch_shapes=3, augmentation_multiplicity=1):
+                 batch_shapes=None, augmentation_multiplicity=1):
         if noisify_strategy not in NOISIFY_STRATEGIES:
             raise ValueError(
                 f"noisify_strategy must be one of {NOISIFY_STRATEGIES}, got {noisify_strategy!r}"
@@ -100,6 +106,8 @@ class DPParameters:
         self.epsilon_max = None if epsilon_max is None else float(epsilon_max)
         self.clipping_norm, self.clipping, self.physical_batch_size = check_clipping_parameters(
             clipping_norm, clipping, physical_batch_size)
+        if batch_shapes is None:  # virtual batches skip the passes of padding: one size is enough
+            batch_shapes = 1 if self.physical_batch_size else 3
         self.batch_shapes = check_batch_shapes(batch_shapes)
         k = augmentation_multiplicity
         if isinstance(k, bool) or not isinstance(k, (int, float)) or k != int(k) or k < 1:
