@@ -1,4 +1,5 @@
-"""TensorFlow's vectorization (``pfor``) with a matrix product that does not crash.
+"""TensorFlow's vectorization (``pfor``) with a matrix product that does not crash
+and a max-pooling gradient on oneDNN's kernel.
 
 ``tf.vectorized_map`` (and ``GradientTape.jacobian``) turn each op of the
 per-example function into an op on the whole batch. A product ``x @ w`` of an
@@ -12,10 +13,21 @@ does it, with or without kdp). ``EinsumDense`` and ``MultiHeadAttention`` make
 such products.
 
 `vectorization` replaces, while it is active, ``pfor``'s conversion of
-``BatchMatMulV2`` for a batch of examples times a loop-invariant matrix
-(an unstacked ``w`` whose batch axes are all 1) by one 2-D product of the
-flattened rows: the same numbers, one kernel call and no broadcast; every
-other case keeps TensorFlow's own conversion. It also keeps ``pfor``'s warning
+
+* ``BatchMatMulV2`` for a batch of examples times a loop-invariant matrix
+  (an unstacked ``w`` whose batch axes are all 1) by one 2-D product of the
+  flattened rows: the same numbers, one kernel call and no broadcast; every
+  other case keeps TensorFlow's own conversion;
+* ``MaxPoolGrad`` by one whose pooled input is a ``MaxPool`` of the flattened
+  input computed beside it. ``pfor`` feeds the gradient the forward pool's
+  output through a reshape, and oneDNN's layout pass replaces ``MaxPoolGrad``
+  by its own kernel only when that input comes from a ``MaxPool`` directly:
+  TensorFlow's generic kernel took 30 ms of a 65 ms per-example pass of the
+  convnet of ``benchmarks/bench_clipping_step.py`` (b = 256, one core), oneDNN's
+  under 1 ms. The pool is recomputed from the same input, so the numbers are
+  the same.
+
+It also keeps ``pfor``'s warning
 "Using a while_loop for converting <op>" off the console for random ops
 (``StatelessRandomUniformV2`` and the like, from ``Dropout``): kdp draws each
 example's random values on purpose (the gradient of the computation the batch
@@ -70,22 +82,45 @@ def _convert_batch_matmul(pfor_input):
     return pfor.wrap(out, True)
 
 
+def _convert_max_pool_grad(pfor_input):
+    """``pfor``'s converter of ``MaxPoolGrad`` (see the module): the examples' rows
+    flattened into one batch, the pooled input recomputed by ``MaxPool``."""
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_nn_ops
+    from tensorflow.python.ops.parallel_for import pfor
+
+    pfor_input.stack_inputs()
+    examples = pfor_input.pfor.loop_len_vector
+    flat = [tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+            for t in (pfor_input.stacked_input(0), pfor_input.stacked_input(2))]
+    attrs = {name: pfor_input.get_attr(name) for name in ("ksize", "strides", "padding", "data_format")}
+    pooled = gen_nn_ops.max_pool(flat[0], **attrs)
+    grad = gen_nn_ops.max_pool_grad(flat[0], pooled, flat[1], **attrs)
+    return pfor.wrap(tf.reshape(grad, tf.concat([examples, [-1], tf.shape(grad)[1:]], 0)), True)
+
+
+#: the ``pfor`` converters `vectorization` replaces, by op type (looked up when called)
+_CONVERTERS = {"BatchMatMulV2": lambda p: _convert_batch_matmul(p),
+               "MaxPoolGrad": lambda p: _convert_max_pool_grad(p)}
+
+
 @contextlib.contextmanager
 def vectorization():
     """While active, ``tf.vectorized_map`` and ``GradientTape.jacobian`` (traced in
-    this process) convert a batch-times-matrix product with `_convert_batch_matmul`,
-    and ``pfor``'s loop warnings for random ops are dropped (`_RandomLoopFilter`).
+    this process) convert the ops of `_CONVERTERS` with kdp's converters, and
+    ``pfor``'s loop warnings for random ops are dropped (`_RandomLoopFilter`).
     Re-entrant; the registry and the logger are restored when the outermost use ends."""
     from tensorflow.python.ops.parallel_for import pfor
 
     registry = getattr(pfor, "_pfor_converter_registry", None)
-    if not isinstance(registry, dict) or "BatchMatMulV2" not in registry:
+    if not isinstance(registry, dict) or not all(op in registry for op in _CONVERTERS):
         yield  # a TensorFlow without this registry: its own conversion
         return
     with _LOCK:
         if _ACTIVE[0] == 0:
-            _ORIGINAL["BatchMatMulV2"] = registry["BatchMatMulV2"]
-            registry["BatchMatMulV2"] = _convert_batch_matmul
+            for op, convert in _CONVERTERS.items():
+                _ORIGINAL[op] = registry[op]
+                registry[op] = convert
             logging.getLogger("tensorflow").addFilter(_FILTER)
         _ACTIVE[0] += 1
     try:
@@ -94,5 +129,6 @@ def vectorization():
         with _LOCK:
             _ACTIVE[0] -= 1
             if _ACTIVE[0] == 0:
-                registry["BatchMatMulV2"] = _ORIGINAL.pop("BatchMatMulV2")
+                for op in _CONVERTERS:
+                    registry[op] = _ORIGINAL.pop(op)
                 logging.getLogger("tensorflow").removeFilter(_FILTER)

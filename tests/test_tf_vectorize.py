@@ -1,6 +1,6 @@
-"""TensorFlow's vectorization of a batch-times-matrix product (`kdp._tf_vectorize`):
-the same numbers as a loop over the examples, TensorFlow's own conversion
-restored afterwards, and, where this CPU's oneDNN aborts on the broadcast
+"""TensorFlow's vectorization of a batch-times-matrix product and of the max-pooling
+gradient (`kdp._tf_vectorize`): the same numbers as a loop over the examples,
+TensorFlow's own conversion restored afterwards, and, where this CPU's oneDNN aborts on the broadcast
 product that ``pfor`` makes, kdp's per-example gradients of an ``EinsumDense``
 model run to the end."""
 
@@ -50,17 +50,45 @@ def test_per_example_products_and_gradients_match_a_loop(example, weight, adjoin
     assert calls  # the conversion went through the replacement
 
 
+@pytest.mark.parametrize("example, pool, strides, padding", [
+    ((1, 6, 6, 3), 2, 2, "VALID"), ((1, 7, 5, 2), 3, 2, "SAME"), ((2, 5, 5, 1), 2, 1, "VALID")])
+def test_per_example_max_pooling_gradients_match_a_loop(example, pool, strides, padding, monkeypatch):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(4, *example)), "float32")
+    calls = []
+    convert = _tf_vectorize._convert_max_pool_grad
+    monkeypatch.setattr(_tf_vectorize, "_convert_max_pool_grad", lambda p: calls.append(1) or convert(p))
+
+    def one(xi):
+        with tf.GradientTape() as tape:
+            tape.watch(xi)
+            value = tf.reduce_sum(tf.sin(3.0 * tf.nn.max_pool2d(xi, pool, strides, padding)))
+        return tape.gradient(value, xi)
+
+    with vectorization():
+        grads = tf.function(lambda x: tf.vectorized_map(one, x))(x)
+    np.testing.assert_allclose(grads, np.stack([one(x[i]) for i in range(4)]), rtol=1e-5, atol=1e-6)
+    assert calls  # the conversion went through the replacement
+
+
 def test_tensorflows_conversion_is_restored_after_nested_uses_and_errors():
-    original = _registry()["BatchMatMulV2"]
+    original = {op: _registry()[op] for op in _tf_vectorize._CONVERTERS}
+    assert set(original) == {"BatchMatMulV2", "MaxPoolGrad"}
+
+    def replaced():
+        return all(_registry()[op] is convert for op, convert in _tf_vectorize._CONVERTERS.items())
+
     with vectorization():
         with vectorization():
-            assert _registry()["BatchMatMulV2"] is _tf_vectorize._convert_batch_matmul
-        assert _registry()["BatchMatMulV2"] is _tf_vectorize._convert_batch_matmul
-    assert _registry()["BatchMatMulV2"] is original
+            assert replaced()
+        assert replaced()
+    assert {op: _registry()[op] for op in original} == original
     with pytest.raises(RuntimeError, match="inside"):
         with vectorization():
             raise RuntimeError("inside")
-    assert _registry()["BatchMatMulV2"] is original
+    assert {op: _registry()[op] for op in original} == original
     assert _tf_vectorize._FILTER not in __import__("logging").getLogger("tensorflow").filters
 
 
