@@ -93,7 +93,8 @@ def _convert_max_pool_grad(pfor_input):
     examples = pfor_input.pfor.loop_len_vector
     flat = [tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
             for t in (pfor_input.stacked_input(0), pfor_input.stacked_input(2))]
-    attrs = {name: pfor_input.get_attr(name) for name in ("ksize", "strides", "padding", "data_format")}
+    attrs = {name: pfor_input.get_attr(name)
+             for name in ("ksize", "strides", "padding", "explicit_paddings", "data_format")}
     pooled = gen_nn_ops.max_pool(flat[0], **attrs)
     grad = gen_nn_ops.max_pool_grad(flat[0], pooled, flat[1], **attrs)
     return pfor.wrap(tf.reshape(grad, tf.concat([examples, [-1], tf.shape(grad)[1:]], 0)), True)

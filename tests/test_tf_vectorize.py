@@ -51,7 +51,8 @@ def test_per_example_products_and_gradients_match_a_loop(example, weight, adjoin
 
 
 @pytest.mark.parametrize("example, pool, strides, padding", [
-    ((1, 6, 6, 3), 2, 2, "VALID"), ((1, 7, 5, 2), 3, 2, "SAME"), ((2, 5, 5, 1), 2, 1, "VALID")])
+    ((1, 6, 6, 3), 2, 2, "VALID"), ((1, 7, 5, 2), 3, 2, "SAME"), ((2, 5, 5, 1), 2, 1, "VALID"),
+    ((1, 5, 6, 2), 2, 2, [[0, 0], [1, 0], [0, 1], [0, 0]])])  # explicit padding
 def test_per_example_max_pooling_gradients_match_a_loop(example, pool, strides, padding, monkeypatch):
     import tensorflow as tf
 
