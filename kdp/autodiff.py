@@ -247,6 +247,14 @@ def _views(t, views):
     return ops.tile(ops.expand_dims(t, 0), [views] + [1] * len(t.shape))  # static shape kept
 
 
+_TENSORFLOW_LOOP = (
+    "TensorFlow cannot differentiate this model's loop (a recurrent layer such as LSTM, GRU or "
+    "SimpleRNN, or ops.while_loop / ops.scan) example by example inside Keras' training step, "
+    "whose own gradient tape records the per-example pass. Build the recurrent layers with "
+    "unroll=True (short sequences), or train with the JAX backend (KERAS_BACKEND=jax), which "
+    "differentiates loops per example.")
+
+
 def per_example_values(model, forward, x, y, views=1):
     """Example ``i``'s value ``forward(call, probe, x_i, y_i)[0] / views`` (e.g. its
     loss averaged over its ``views`` copies), each example run alone in training
@@ -390,8 +398,15 @@ def _vectorized(model, forward, x, y, weights, variables, views, first_row, diff
         with seeds, vectorization():
             if not differentiate:
                 return tf.vectorized_map(value, (rows, x, y))
-            aux, cotangents, grads, values = tf.vectorized_map(
-                example, (rows, x, y, tf.cast(weights, "float32")))
+            try:
+                aux, cotangents, grads, values = tf.vectorized_map(
+                    example, (rows, x, y, tf.cast(weights, "float32")))
+            except TypeError as error:  # raised when the step is traced: nothing has run yet
+                if "variant" not in str(error):
+                    raise
+                from kdp.clipping.config import ClippingError
+
+                raise ClippingError(_TENSORFLOW_LOOP) from error
         return list(aux), list(cotangents), list(grads), values
     raise NotImplementedError(
         f"weighted_per_example_gradients supports jax and tensorflow, not {backend!r}"

@@ -342,6 +342,34 @@ def test_fit_with_virtual_batches_is_one_step_per_poisson_batch(batch_shapes, mo
     assert params.batch_shapes == (3 if batch_shapes == 3 else 1)
 
 
+@pytest.mark.parametrize("unroll", [False, True])
+def test_recurrent_layers_train_or_are_refused_with_a_remedy_before_any_step(unroll):
+    """JAX differentiates an LSTM's loop per example; TensorFlow cannot inside Keras'
+    tape (a raw TypeError on a variant tensor): a `ClippingError` naming the
+    remedies, raised when the step is traced, before any step is accounted.
+    Unrolled, the LSTM trains on both backends."""
+    from kdp.clipping import ClippingError
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 5, 3)).astype("float32")
+    y = rng.integers(0, 3, N).astype("int32")
+    model = DP_Sequential(
+        [keras.Input((5, 3)), keras.layers.LSTM(4, unroll=unroll), keras.layers.Dense(3)],
+        dp_parameters=DPParameters(noise_multiplier=1.0, delta=1e-3, clipping_norm=1.0),
+        dataset_metadata=DatasetMetadata((5, 3), 3, N, BATCH))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
+    before = [np.array(v) for v in model.trainable_variables]
+    if keras.backend.backend() == "tensorflow" and not unroll:
+        with pytest.raises(ClippingError, match="unroll=True.*JAX"):
+            model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
+        assert model.privacy_ledger.training_steps() == 0
+        assert all(np.array_equal(b, np.array(v)) for b, v in zip(before, model.trainable_variables))
+        return
+    model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
+    assert model.privacy_ledger.training_steps() == 2
+    assert all(not np.array_equal(b, np.array(v)) for b, v in zip(before, model.trainable_variables))
+
+
 def _dp_sequential(layers, **params):
     model = DP_Sequential(layers, dp_parameters=DPParameters(delta=1e-3, clipping_norm=1.0, **params),
                           dataset_metadata=DatasetMetadata((6,), 3, N, BATCH))
