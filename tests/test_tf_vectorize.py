@@ -21,6 +21,14 @@ def _registry():
     return pfor._pfor_converter_registry
 
 
+def _counted(monkeypatch, converter):
+    """Wraps kdp's converter named ``converter``; returns the list its calls append to."""
+    calls = []
+    convert = getattr(_tf_vectorize, converter)
+    monkeypatch.setattr(_tf_vectorize, converter, lambda p: calls.append(1) or convert(p))
+    return calls
+
+
 @pytest.mark.parametrize("example, weight, adjoint", [
     ((1, 6, 4), (4, 3), False), ((1, 6, 4), (3, 4), True), ((2, 1, 6, 4), (4, 3), False),
     ((1, 6, 4), (1, 4, 3), False), ((6, 4), (1, 1, 4, 3), False),  # unit batch axes
@@ -31,9 +39,7 @@ def test_per_example_products_and_gradients_match_a_loop(example, weight, adjoin
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(5, *example)), "float32")
     w = tf.constant(rng.normal(size=weight), "float32")
-    calls = []
-    convert = _tf_vectorize._convert_batch_matmul
-    monkeypatch.setattr(_tf_vectorize, "_convert_batch_matmul", lambda p: calls.append(1) or convert(p))
+    calls = _counted(monkeypatch, "_convert_batch_matmul")
 
     def one(xi):
         with tf.GradientTape() as tape:
@@ -58,9 +64,7 @@ def test_per_example_max_pooling_gradients_match_a_loop(example, pool, strides, 
 
     rng = np.random.default_rng(1)
     x = tf.constant(rng.normal(size=(4, *example)), "float32")
-    calls = []
-    convert = _tf_vectorize._convert_max_pool_grad
-    monkeypatch.setattr(_tf_vectorize, "_convert_max_pool_grad", lambda p: calls.append(1) or convert(p))
+    calls = _counted(monkeypatch, "_convert_max_pool_grad")
 
     def one(xi):
         with tf.GradientTape() as tape:
