@@ -301,7 +301,9 @@ def test_fit_trains_through_every_padded_size(monkeypatch):
         return seen[-1]
 
     monkeypatch.setattr(PoissonBatches, "padded_size", spy)
-    model = _small_model(n=120, b=30)
+    # Seeded draws: with OS entropy, all 24 fit the smallest size (b + 0.5s) with
+    # probability about 0.77^24 = 0.2 %, and the test failed once in that way.
+    model = _small_model(n=120, b=30, reproducible=True, seed=3)
     x, y = _data()
     model.fit(x, y, epochs=6, verbose=0)  # 24 steps
     assert len(set(seen)) >= 2  # several static shapes were trained on (TF: unknown batch axis)
