@@ -15,7 +15,7 @@ each trained three ways:
   kinds (`kdp.clipping.kinds`), whose per-example norms come from their inputs
   and output cotangents, with no per-example gradient of a whole model;
 * (d) ``passes``: as (c) with every Poisson batch padded to one size (the
-  capacity, ``batch_shapes=1``) and its clipped sum run in passes of at most
+  capacity, the default with ``physical_batch_size``) and its clipped sum run in passes of at most
   ``--pass-rows`` rows (``physical_batch_size``), only over the passes that hold
   drawn rows: one compiled step.
 
@@ -91,7 +91,7 @@ def build(model_name, kind, n, batch, pass_rows=32):
     if kind == "keras":
         model = keras.Sequential(stack)
     else:
-        passes = {"batch_shapes": 1, "physical_batch_size": pass_rows} if kind == "passes" else {}
+        passes = {"physical_batch_size": pass_rows} if kind == "passes" else {}
         model = kdp.DP_Sequential(stack, dp_parameters=kdp.DPParameters(noise_multiplier=1.0, delta=1e-5,
                                                                          clipping_norm=1.0, **passes),
                                   dataset_metadata=kdp.DatasetMetadata(shape, 10, n, batch))

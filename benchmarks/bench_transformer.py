@@ -15,7 +15,7 @@ on token ids alone (no segments, no padding), its pooled output into a
   the token ``ReversibleEmbedding`` and the ``PositionEmbedding``), so no
   variable needs per-example gradients;
 * ``passes``: as ``clipping`` with every Poisson batch padded to one size (the
-  capacity, ``batch_shapes=1``) and its clipped sum run in passes of at most
+  capacity, the default with ``physical_batch_size``) and its clipped sum run in passes of at most
   ``--pass-rows`` rows (``physical_batch_size``), only over the passes that hold
   drawn rows: one compiled step, and the padding at most a pass;
 * ``vmap``: as ``clipping`` with the registry emptied: every variable gets
@@ -62,7 +62,7 @@ def build(kind, n, args):
             from kdp.clipping.kinds import KINDS as REGISTRY
 
             REGISTRY.clear()
-        passes = {"batch_shapes": 1, "physical_batch_size": args.pass_rows} if kind == "passes" else {}
+        passes = {"physical_batch_size": args.pass_rows} if kind == "passes" else {}
         model = kdp.DP_Model(ids, logits, dp_parameters=kdp.DPParameters(noise_multiplier=1.0, delta=1e-5,
                                                                           clipping_norm=1.0, **passes),
                              dataset_metadata=kdp.DatasetMetadata((args.length,), 2, n, args.batch))
