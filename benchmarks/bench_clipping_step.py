@@ -4,6 +4,9 @@ Two models:
 
 * ``mlp``: 784→512→512→10;
 * ``cnn``: 28×28×1 → Conv 3×3 32 → pool 2 → Conv 3×3 64 → pool 2 → Flatten → Dense 10;
+* ``sepcnn`` (``--models sepcnn``; per-example clipping and plain Keras only): 28×28×1 →
+  Conv 3×3 16 → DepthwiseConv 3×3 → SeparableConv 3×3 32 → pool 2 → SeparableConv 3×3 64
+  (depth multiplier 2) → pool 2 → Flatten → Dense 10, the blocks of MobileNet and Xception;
 
 each trained three ways:
 
@@ -62,6 +65,8 @@ def build(model_name, kind, n, batch, pass_rows=32):
 
     scce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if kind == "clipless":
+        if model_name == "sepcnn":
+            raise ValueError("sepcnn has no Lipschitz twin: run it with --kinds keras clipping passes")
         if model_name == "mlp":
             stack = [layers.DP_BoundedInput((784,), 10.0), layers.DP_QuickSpectralDense(512),
                      layers.DP_GroupSort(2), layers.DP_QuickSpectralDense(512), layers.DP_GroupSort(2),
@@ -83,6 +88,13 @@ def build(model_name, kind, n, batch, pass_rows=32):
         stack = [keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
                  keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)]
         shape = (784,)
+    elif model_name == "sepcnn":
+        stack = [keras.Input((28, 28, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
+                 keras.layers.DepthwiseConv2D(3, activation="relu"),
+                 keras.layers.SeparableConv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
+                 keras.layers.SeparableConv2D(64, 3, depth_multiplier=2, activation="relu"),
+                 keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(10)]
+        shape = (28, 28, 1)
     else:
         stack = [keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, activation="relu"),
                  keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"),

@@ -15,8 +15,8 @@ import pytest
 from test_clipping import SCCE, _brute_force, _clip_by_hand, _median_norm, clipped_sum
 
 from kdp import autodiff, clipping
-from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, linear, normalization,
-                                position_embedding, reversible_embedding)
+from kdp.clipping.kinds import (conv, dense, depthwise_conv, einsum_dense, embedding, linear,
+                                normalization, position_embedding, reversible_embedding)
 from kdp.model import DP_Model, DPParameters
 from kdp.pipeline import DatasetMetadata
 
@@ -121,6 +121,21 @@ def _conv():
     return inputs, _head(layers.Concatenate()([layers.Flatten()(causal), layers.Flatten()(gram)])), x
 
 
+def _depthwise():
+    """Depthwise convolutions (valid, strided and padded, dilated, 1-D) and separable ones,
+    one called twice, one whose pointwise kernel takes the Gram form."""
+    inputs, x = _features((7, 7, 2))
+    h = layers.DepthwiseConv2D(3, depth_multiplier=2, activation="tanh", name="depthwise")(inputs)
+    h = layers.DepthwiseConv2D((2, 3), strides=2, padding="same", use_bias=False, name="strided")(h)
+    shared = layers.SeparableConv2D(4, 2, padding="same", depth_multiplier=2, name="shared")
+    h = shared(h) + shared(h * h)
+    gram = layers.SeparableConv2D(32, 2, depth_multiplier=4, name="gram")(h)  # 4 rows: 16·32 > 2·4·(16 + 32)
+    seq = layers.Reshape((h.shape[1] * h.shape[2], 4))(h)
+    seq = layers.DepthwiseConv1D(2, dilation_rate=2, padding="same", name="dilated")(seq)
+    seq = layers.SeparableConv1D(3, 2, name="separable_1d")(seq)
+    return inputs, _head(layers.Concatenate()([layers.Flatten()(seq), layers.Flatten()(gram)])), x
+
+
 def _mixed():
     """Embedding → LayerNorm → one attention head of EinsumDense → Dense head."""
     inputs, x = _tokens()
@@ -148,6 +163,7 @@ def _bert():
 CASES = {
     "dense": (_dense, ["head", "rows", "shared"]),
     "conv": (_conv, ["dilated", "gram", "head", "same", "valid"]),
+    "depthwise": (_depthwise, ["depthwise", "dilated", "gram", "head", "separable_1d", "shared", "strided"]),
     "einsum_dense": (_einsum_dense, ["ellipsis", "head", "o", "q", "row_bias"]),
     "not_a_matmul": (_not_a_matmul, ["head"]),
     "embedding": (_embedding, ["gram", "head", "shared", "table"]),
@@ -229,7 +245,7 @@ def test_einsum_dense_in_the_gram_form_matches_brute_force(monkeypatch):
     assert _check("einsum_dense", "flat", monkeypatch) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["conv", "mixed", "normalization"])
+@pytest.mark.parametrize("case", ["conv", "depthwise", "mixed", "normalization"])
 def test_per_layer_clipping_matches_brute_force(case, monkeypatch):
     assert _check(case, "per-layer", monkeypatch, scale=1e-2) < 1e-5  # every layer of every example clipped
 
@@ -238,7 +254,9 @@ def test_per_layer_clipping_matches_brute_force(case, monkeypatch):
                                         (embedding.EmbeddingKind, "mixed"),
                                         (normalization.LayerNormalizationKind, "mixed"), (conv.ConvKind, "conv"),
                                         (reversible_embedding.ReversibleEmbeddingKind, "reversible_embedding"),
-                                        (position_embedding.PositionEmbeddingKind, "position_embedding")])
+                                        (position_embedding.PositionEmbeddingKind, "position_embedding"),
+                                        (depthwise_conv.DepthwiseConvKind, "depthwise"),
+                                        (depthwise_conv.SeparableConvKind, "depthwise")])
 def test_an_under_reported_norm_is_caught(kind, case, monkeypatch):
     """Negative control: a kind reporting half its norms fails the comparison."""
     sq_norms = kind.sq_norms

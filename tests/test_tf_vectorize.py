@@ -78,9 +78,40 @@ def test_per_example_max_pooling_gradients_match_a_loop(example, pool, strides, 
     assert calls  # the conversion went through the replacement
 
 
+@pytest.mark.parametrize("example, kernel, strides, padding, per_example_kernel", [
+    ((1, 6, 6, 3), (3, 3, 3, 2), 1, "VALID", False), ((2, 7, 5, 2), (2, 3, 2, 1), 2, "SAME", False),
+    ((1, 6, 6, 3), (3, 3, 3, 2), 1, "VALID", True)])  # a kernel per example: TensorFlow's own
+def test_per_example_depthwise_convolutions_and_input_gradients_match_a_loop(
+        example, kernel, strides, padding, per_example_kernel, monkeypatch):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.normal(size=(4, *example)), "float32")
+    w = tf.constant(rng.normal(size=((4,) if per_example_kernel else ()) + kernel), "float32")
+    calls = _counted(monkeypatch, "_convert_depthwise")
+
+    def one(xi, wi):
+        with tf.GradientTape() as tape:
+            tape.watch(xi)
+            out = tf.nn.depthwise_conv2d(xi, wi, (1, strides, strides, 1), padding)
+            value = tf.reduce_sum(tf.sin(out))
+        return out, tape.gradient(value, xi)
+
+    with vectorization():
+        if per_example_kernel:
+            out, grads = tf.function(lambda x, w: tf.vectorized_map(lambda a: one(*a), (x, w)))(x, w)
+        else:
+            out, grads = tf.function(lambda x: tf.vectorized_map(lambda xi: one(xi, w), x))(x)
+    loop = [one(x[i], w[i] if per_example_kernel else w) for i in range(4)]
+    np.testing.assert_allclose(out, np.stack([o for o, _ in loop]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads, np.stack([g for _, g in loop]), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2  # the convolution and its input gradient went through the replacement
+
+
 def test_tensorflows_conversion_is_restored_after_nested_uses_and_errors():
     original = {op: _registry()[op] for op in _tf_vectorize._CONVERTERS}
-    assert set(original) == {"BatchMatMulV2", "MaxPoolGrad"}
+    assert set(original) == {"BatchMatMulV2", "MaxPoolGrad", "DepthwiseConv2dNative",
+                             "DepthwiseConv2dNativeBackpropInput"}
 
     def replaced():
         return all(_registry()[op] is convert for op, convert in _tf_vectorize._CONVERTERS.items())

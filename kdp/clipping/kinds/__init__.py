@@ -18,6 +18,10 @@ LoRA):
 * `normalization`: ``LayerNormalization``, ``RMSNormalization`` (materialised).
 * `conv`: ``Conv1D``, ``Conv2D`` (channels last, ``groups=1``, ``"valid"`` or
   ``"same"`` padding), as a matmul of the input's patches with the kernel.
+* `depthwise_conv`: ``DepthwiseConv1D`` / ``DepthwiseConv2D`` (kernel materialised
+  tap by tap), ``SeparableConv1D`` / ``SeparableConv2D`` (the depthwise kernel so,
+  the pointwise one by the linear layers' rule); channels last, ``"valid"`` or
+  ``"same"`` padding.
 * `reversible_embedding`: ``ReversibleEmbedding`` (keras', keras_hub's;
   ``mask_zero=False``): lookups and the ``reverse=True`` projection, tied or not.
 * `position_embedding`: keras_hub's ``PositionEmbedding`` (materialised rows).
@@ -29,7 +33,7 @@ Adding a kind: a module defining a registered `Kind`, imported below.
 """
 
 from kdp.clipping.kinds.base import KINDS, Kind, Probes, ghost_layers, kind_of, register
-from kdp.clipping.kinds import (conv, dense, einsum_dense, embedding, normalization,  # noqa: F401, E402
-                                position_embedding, reversible_embedding)  # registers them
+from kdp.clipping.kinds import (conv, dense, depthwise_conv, einsum_dense, embedding,  # noqa: F401, E402
+                                normalization, position_embedding, reversible_embedding)  # registers them
 
 __all__ = ["KINDS", "Kind", "Probes", "ghost_layers", "kind_of", "register"]

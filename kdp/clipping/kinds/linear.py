@@ -64,6 +64,11 @@ def weighted_kernel_sum(blocks, g, c):
     return ops.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
+def join_rows(parts):
+    """Several calls' rows ``(B, T_k, ·)``, one after the other: ``(B, Σ T_k, ·)``."""
+    return ops.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
 def parse(equation):
     """``(X, K, O)`` of ``"X,K->O"`` if it is a matmul over rows (see the module),
     else ``None``: one ``...`` at most, in ``X`` and ``O`` alike, no repeated
@@ -129,12 +134,8 @@ class Linear(Kind):
 
     def per_example(self, layer, calls):
         rows = [self._rows(layer, a, g) for a, g in calls]
-
-        def joined(parts):  # the calls' rows, one after the other
-            return ops.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-
-        blocks = [joined(parts) for parts in zip(*(r[0] for r in rows))]
-        g = joined([r[1] for r in rows])
+        blocks = [join_rows(parts) for parts in zip(*(r[0] for r in rows))]
+        g = join_rows([r[1] for r in rows])
         bias = None if layer.bias is None else add_up(calls, lambda _, g: reduce_to(g, layer.bias.shape))
         return blocks, g, per_example_kernels(blocks, g), rows[0][2], bias
 
