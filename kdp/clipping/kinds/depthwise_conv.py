@@ -50,6 +50,14 @@ def depthwise_kernels(layer, a, g):
     return ops.reshape(ops.transpose(kernel, (0, 2, 1, 3)), (-1, *layer.kernel_size, c_in, m))
 
 
+def _output(layer, record, aux, z):
+    """``z`` plus the layer's bias, probed (``aux`` recorded), through its activation."""
+    if layer.use_bias:
+        z = ops.add(z, layer.bias)
+    z = record(aux, z)
+    return layer.activation(z) if layer.activation is not None else z
+
+
 def _bias(layer, calls):
     return add_up(calls, lambda _, g: reduce_to(g, layer.bias.shape))
 
@@ -61,11 +69,7 @@ class DepthwiseConvKind(Kind):
 
     def call(self, layer, record):
         def call(inputs, training=None):
-            z = _depthwise(layer, inputs, layer.kernel)
-            if layer.use_bias:
-                z = ops.add(z, layer.bias)
-            z = record(inputs, z)
-            return layer.activation(z) if layer.activation is not None else z
+            return _output(layer, record, inputs, _depthwise(layer, inputs, layer.kernel))
 
         return call
 
@@ -86,10 +90,7 @@ class SeparableConvKind(Kind):
             d = record(inputs, _depthwise(layer, inputs, layer.depthwise_kernel))
             z = ops.conv(d, layer.pointwise_kernel, strides=1, padding="valid",
                          data_format=layer.data_format)
-            if layer.use_bias:
-                z = ops.add(z, layer.bias)
-            z = record(d, z)
-            return layer.activation(z) if layer.activation is not None else z
+            return _output(layer, record, d, z)
 
         return call
 
